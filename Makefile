@@ -1,0 +1,37 @@
+# moelab: `make verify` (main job) and `make test` (test suite) work from nothing.
+#
+#   TORCH=torch==2.13.0   what `make setup` installs into .venv (the CPU build by default;
+#                          a bare `torch` would pull a multi-GB CUDA build)
+#   TORCH=keep            reuse the torch of the Python that creates the venv (GPU users)
+PY      ?= python3
+VENV    := .venv
+VPY     := $(VENV)/bin/python
+TORCH   ?= torch==2.13.0
+BUDGET  ?= 600
+
+.PHONY: setup build test verify bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(if $(filter keep,$(TORCH)),,$(VPY) -m pip install -q "$(TORCH)")
+	$(VPY) -m pip install -q -e .
+	touch $@
+
+setup: $(VENV)/.installed build
+
+# ninja inside torch.utils.cpp_extension rebuilds only what changed; a no-op is quick.
+build: $(VENV)/.installed
+	$(VPY) -m optimized._build
+
+test: setup
+	$(VPY) -m pytest -q
+
+verify: setup
+	$(VPY) -m verify --budget $(BUDGET) --report reports/verify
+
+bench: setup
+	$(VPY) -m experiments.bench
+
+clean:
+	rm -rf build reports .pytest_cache .hypothesis
