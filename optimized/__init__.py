@@ -1,0 +1,27 @@
+"""moelab.optimized: the same functions as `reference`, backed by torch.ops.moelab kernels.
+
+Importing this package builds (if needed) and loads the CPU extension. Every function
+validates its arguments with reference.validate first, so errors read the same as the
+reference's; the C++ bindings re-check what the kernels rely on.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import _build
+
+_build.load()
+
+from . import dispatch  # noqa: E402
+from .dispatch import batch_invariant_mode, set_batch_invariant  # noqa: E402,F401
+from .router_gemm import router_gemm  # noqa: E402,F401
+
+
+def backend_info() -> dict[str, str]:
+    """ISA of the CPU (detected), the level in use (active) and the level each op runs at."""
+    return dict(item.split(":", 1) for item in torch.ops.moelab.backend_info())
+
+
+def set_isa(name: str) -> None:
+    """Cap the CPU ISA level for this process: scalar, avx2, avx512 or avx512_bf16."""
+    torch.ops.moelab.set_isa(name)

@@ -94,8 +94,12 @@ def check_choice(op: str, name: str, v, choices: Sequence[str]) -> str:
 
 
 def check_index_range(op: str, name: str, t: torch.Tensor, lo: int, hi: int) -> None:
-    """Every element in [lo, hi). Reads the data (a host sync on a GPU)."""
-    if t.numel() == 0:
+    """Every element in [lo, hi). Reads the data (a host sync on a GPU).
+
+    Skipped while torch.compile traces (a data-dependent check would break the graph); the
+    C++ layer of every optimized op re-checks index ranges with TORCH_CHECK.
+    """
+    if t.numel() == 0 or torch.compiler.is_compiling():
         return
     mn, mx = int(t.min()), int(t.max())
     if mn < lo or mx >= hi:
@@ -263,6 +267,9 @@ def check_fused_gate_gemm(x, router_weight, shared_gate_weight) -> None:
     op = "fused_gate_gemm"
     check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
     H = x.shape[1]
+    if H < 1:
+        # Without this the inner GEMM's check would fire and name unquantized_gemm, not this op.
+        fail(op, "x", "must have H >= 1 columns")
     for name, w in (("router_weight", router_weight), ("shared_gate_weight", shared_gate_weight)):
         check_tensor(op, name, w, ndim=2, dtypes=(x.dtype,), shape=(None, H), device=x.device)
         if w.shape[0] < 1:

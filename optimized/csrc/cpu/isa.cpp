@@ -1,0 +1,59 @@
+#include "isa.h"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace moelab::cpu {
+
+Isa detected_isa() {
+  static const Isa isa = [] {
+    __builtin_cpu_init();
+    bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
+    bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                  __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+    bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+    return bf16 ? Isa::kAvx512Bf16 : avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
+  }();
+  return isa;
+}
+
+static std::atomic<int>& cap() {
+  static std::atomic<int> c = [] {
+    Isa isa = Isa::kAvx512Bf16;
+    const char* env = std::getenv("MOELAB_ISA");
+    if (env && *env) parse_isa(env, &isa);
+    return static_cast<int>(isa);
+  }();
+  return c;
+}
+
+Isa active_isa() {
+  int d = static_cast<int>(detected_isa()), c = cap().load(std::memory_order_relaxed);
+  return static_cast<Isa>(d < c ? d : c);
+}
+
+void set_isa_cap(Isa c) { cap().store(static_cast<int>(c)); }
+
+const char* isa_name(Isa isa) {
+  switch (isa) {
+    case Isa::kScalar: return "scalar";
+    case Isa::kAvx2: return "avx2";
+    case Isa::kAvx512: return "avx512";
+    case Isa::kAvx512Bf16: return "avx512_bf16";
+  }
+  return "?";
+}
+
+bool parse_isa(const char* name, Isa* out) {
+  for (int i = 0; i <= 3; ++i) {
+    if (std::strcmp(name, isa_name(static_cast<Isa>(i))) == 0) {
+      *out = static_cast<Isa>(i);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace moelab::cpu

@@ -1,0 +1,31 @@
+// Shared by the thin torch bindings: argument checks that name the op and the argument,
+// the per-op ISA registry behind optimized.backend_info(), and at::parallel_for helpers.
+//
+// The Python layer (reference/validate.py) validates every public call first; these checks
+// are the C++ floor that keeps a direct torch.ops.moelab call from reading or writing out
+// of bounds: shapes, dtypes, devices, contiguity and index ranges the kernels rely on.
+#pragma once
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "../cpu/isa.h"
+#include "../cpu/isa_dispatch.h"
+
+#define MOELAB_CHECK(cond, op, arg, ...) \
+  TORCH_CHECK((cond), "moelab::", op, ": argument '", arg, "' ", __VA_ARGS__)
+
+namespace moelab {
+
+// Rank, dtype and (optionally) contiguity of a CPU tensor.
+void check_cpu(const at::Tensor& t, const char* op, const char* arg, int64_t ndim,
+               std::initializer_list<at::ScalarType> dtypes, bool contiguous = true);
+// Every value of an integer tensor in [lo, hi).
+void check_range(const at::Tensor& t, const char* op, const char* arg, int64_t lo, int64_t hi);
+
+// Each binding records the highest ISA level its kernels specialize for; backend_info()
+// reports min(active ISA, that level) per op.
+int register_op_level(const char* op, cpu::Isa max_level);
+cpu::Isa op_isa(cpu::Isa max_level);
+
+}  // namespace moelab

@@ -1,0 +1,74 @@
+"""Every kernel-choice policy of `optimized`, in one readable place.
+
+A policy is data: a threshold with the reason for it and the measurement behind it.
+`explain(op, *args)` says which kernel a call takes and why; experiments and tests read it.
+
+Batch invariance (SPEC general rules): a path is *invariant* when each output element's
+reduction order is fixed independently of T and of the other tokens. Our own CPU kernels
+are invariant by construction. A vendor/library GEMM (F.linear through oneDNN/MKL) may
+change its blocking with T, so in batch-invariant mode every dispatcher avoids it.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+_batch_invariant = False
+
+
+def set_batch_invariant(enabled: bool) -> None:
+    """Make every dispatcher choose batch-invariant kernels (see the module docstring)."""
+    global _batch_invariant
+    _batch_invariant = bool(enabled)
+
+
+def batch_invariant() -> bool:
+    return _batch_invariant
+
+
+@contextlib.contextmanager
+def batch_invariant_mode(enabled: bool = True):
+    previous = _batch_invariant
+    set_batch_invariant(enabled)
+    try:
+        yield
+    finally:
+        set_batch_invariant(previous)
+
+
+@dataclass(frozen=True)
+class Decision:
+    op: str
+    kernel: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.op}: {self.kernel} ({self.reason})"
+
+
+# ---------------------------------------------------------------- router_gemm
+# The fused-cast kernel streams the f32 weight once for all tokens; its cost is flat in T
+# until the FLOPs dominate. Beyond ROUTER_GEMM_MAX_T a library GEMM over an f32 copy of x
+# is faster (measured: experiments/bench.py, router_gemm rows).
+ROUTER_GEMM_MAX_T = 32
+
+
+def router_gemm_decision(x, weight) -> Decision:
+    T = x.shape[0]
+    if x.device.type != "cpu":
+        return Decision("router_gemm", "library", f"no moelab kernel for device {x.device.type}")
+    if T <= ROUTER_GEMM_MAX_T:
+        return Decision("router_gemm", "moelab", f"T = {T} <= {ROUTER_GEMM_MAX_T}: fused-cast kernel")
+    if _batch_invariant:
+        return Decision("router_gemm", "moelab", "batch-invariant mode: library GEMM avoided")
+    return Decision("router_gemm", "library", f"T = {T} > {ROUTER_GEMM_MAX_T}: F.linear(x.float(), w)")
+
+
+_EXPLAINERS = {"router_gemm": router_gemm_decision}
+
+
+def explain(op: str, *args, **kwargs) -> Decision:
+    """Which kernel `optimized.<op>(*args, **kwargs)` would run, and why."""
+    if op not in _EXPLAINERS:
+        raise ValueError(f"explain: argument 'op' must be one of {', '.join(sorted(_EXPLAINERS))}; got {op!r}")
+    return _EXPLAINERS[op](*args, **kwargs)

@@ -1,0 +1,25 @@
+"""optimized.router_gemm: the fused-cast f32 router GEMM (seed 001), see
+csrc/cpu/router_gemm_kernel.h for the algorithm and its cost."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from reference.validate import check_router_gemm
+
+from . import dispatch
+
+
+@torch.library.register_fake("moelab::router_gemm")
+def _router_gemm_fake(x, weight):
+    return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
+
+
+def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.router_gemm: upcast(x) @ weight.T in f32."""
+    check_router_gemm(x, weight)
+    if dispatch.router_gemm_decision(x, weight).kernel == "library":
+        return F.linear(x.float(), weight)
+    if x.shape[0] > 0 and x.stride(1) != 1:
+        x = x.contiguous()
+    return torch.ops.moelab.router_gemm(x, weight)

@@ -1,0 +1,196 @@
+"""Top-k expert selection for a Mixture-of-Experts layer (SPEC.md section 1).
+
+A router GEMM gives every token t a row of logits x[t, :] over E experts. `route` picks
+K experts for each token and gives each picked expert a weight; the MoE layer's output is
+then sum_j weights[t, j] * expert_{ids[t, j]}(hidden[t]). Two things vary between model
+families, and `method` names the combination:
+
+* the *selection key*, the number the K largest of which are picked:
+  the softmax probability p = softmax(x) (Mixtral, Qwen-MoE), the raw logit x
+  (topk_softmax, Llama-4), the sigmoid s = sigmoid(x), or s + bias, where a learned
+  per-expert bias steers load balance (DeepSeek-V3, MiniMax-M2);
+* the *weight* of a picked expert: p, a softmax over just the K picked logits, s,
+  or s rescaled so that the K weights sum to `scaling`. The bias of the biased methods
+  chooses experts but never enters a weight.
+
+    method                 key                       weight of slot j (e = ids[t, j])
+    softmax_topk           p = softmax(x)            p[e]   (renormalize: / sum of the K p)
+    topk_softmax           x                         softmax over the K selected x
+    sigmoid_topk           s = sigmoid(x)            s[e]   (renormalize: / max(sum, 1e-20))
+    sigmoid_bias           s + bias                  s[e] * scaling / (sum of the K s + 1e-20)
+    grouped_sigmoid_bias   s + bias, kept groups     as sigmoid_bias
+    llama4 (K = 1)         x                         sigmoid(x[e])
+
+`grouped_sigmoid_bias` (DeepSeek-V3 "node-limited" routing) first splits the E experts into
+n_group equal contiguous groups, scores each group by the sum of its two largest keys, keeps
+the topk_group best groups, sets the keys of every other expert to -inf, and only then
+takes the top K.
+
+Order and ties are part of the contract, because ids must be bit-identical on every
+backend: slot j holds the j-th largest key under a *total order* in which NaN ranks above
++inf (all NaNs equal), -0.0 equals +0.0, and equal keys go lower expert index first. The
+same order ranks groups (equal group scores: lower group index first). `torch.topk` does
+not promise that tie rule, so this module sorts explicitly (`_topk_total_order`).
+
+Precision: unlike the other reference ops (float64, rounded once), route is specified as
+"all math in f32", so this reference is float32 on purpose: logits and bias are upcast
+exactly to f32 and p, s, the keys, the group scores and the weights are computed with
+PyTorch's f32 kernels. An optimized kernel may compute exp/sigmoid a few ulps differently;
+where that reorders two keys a few ulps apart, verify reports a near-tie flip (it uses
+`selection_keys` to measure the gap) instead of a mismatch.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from reference.validate import check_route
+
+__all__ = ["route", "selection_keys"]
+
+_F32 = torch.float32
+
+
+def _topk_total_order(keys: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [T, k] (int64) of the k largest entries of each row of `keys` [T, N] f32.
+
+    The order is total: NaN ranks above +inf and NaNs tie among themselves; -0.0 equals
+    +0.0; equal keys rank lower index first. Slot j holds the j-th largest key. Built as a
+    lexicographic sort by (is_nan descending, value descending, index ascending) out of
+    two stable sorts, the least significant criterion first:
+
+    1. start from index order 0..N-1 (that is the `index ascending` criterion);
+    2. stable sort by value, descending (NaN replaced by 0 here, the NaN flag decides them;
+       `keys + 0.0` turns -0.0 into +0.0 so the two compare equal in any sort);
+    3. stable sort by the NaN flag, descending.
+    """
+    is_nan = torch.isnan(keys)
+    value = torch.where(is_nan, torch.zeros_like(keys), keys + 0.0)
+    order = torch.sort(value, dim=-1, descending=True, stable=True).indices
+    nan_in_order = is_nan.gather(-1, order).to(torch.int8)
+    order = order.gather(-1, torch.sort(nan_in_order, dim=-1, descending=True, stable=True).indices)
+    return order[..., :k]
+
+
+def _group_mask_keys(keys: torch.Tensor, n_group: int, topk_group: int) -> torch.Tensor:
+    """DeepSeek-V3 group restriction: keys [T, E] -> keys with dropped groups set to -inf.
+
+    group_score[t, g] = (largest key of group g) + (second largest), f32, both taken under
+    the total order (a NaN key makes its group's score NaN, which ranks first). The
+    topk_group groups with the largest scores are kept (ties: lower group index).
+
+    Edge case, literal to SPEC: a kept expert whose own key is -inf (only possible with a
+    bias of -inf) ties with the masked experts, so the index rule decides between them and
+    a lower-index expert of a dropped group can then be picked. Finite biases never do this.
+    """
+    T, E = keys.shape
+    grouped = keys.reshape(T, n_group, E // n_group)
+    top2 = grouped.gather(-1, _topk_total_order(grouped, 2))   # [T, n_group, 2]
+    group_score = top2[..., 0] + top2[..., 1]                  # f32 add
+    kept = _topk_total_order(group_score, topk_group)          # [T, topk_group]
+    keep = torch.zeros(T, n_group, dtype=torch.bool, device=keys.device)
+    keep.scatter_(-1, kept, True)
+    keep = keep.repeat_interleave(E // n_group, dim=-1)       # [T, E]
+    return torch.where(keep, keys, torch.full_like(keys, float("-inf")))
+
+
+def _keys(x: torch.Tensor, method: str, bias: Optional[torch.Tensor], n_group: int,
+          topk_group: int) -> torch.Tensor:
+    """Selection keys [T, E] f32 from f32 logits x; inputs already validated."""
+    if method == "softmax_topk":
+        return torch.softmax(x, dim=-1)
+    if method in ("topk_softmax", "llama4"):
+        return x.clone()
+    s = torch.sigmoid(x)
+    if method == "sigmoid_topk":
+        return s
+    keys = s + bias.to(_F32)
+    if method == "grouped_sigmoid_bias":
+        keys = _group_mask_keys(keys, n_group, topk_group)
+    return keys
+
+
+def selection_keys(logits: torch.Tensor, method: str, bias: Optional[torch.Tensor] = None,
+                   n_group: int = 1, topk_group: int = 1) -> torch.Tensor:
+    """The f32 keys [T, E] that `route` ranks, for measuring how close a choice was.
+
+    Returns, with x = f32(logits): softmax(x) for softmax_topk; x for topk_softmax and
+    llama4; sigmoid(x) for sigmoid_topk; sigmoid(x) + f32(bias) for sigmoid_bias; and for
+    grouped_sigmoid_bias the same keys after group masking (experts of dropped groups hold
+    -inf). `route(...)[1][t, j]` is the column of the j-th largest entry of row t under the
+    total order (NaN first, -0.0 == +0.0, ties lower index first). verify uses the gap
+    between a row's keys to classify a differing id as a near-tie flip or a real error.
+
+    Computed exactly as `route` computes them (same f32 kernels), on logits' device.
+    Raises ValueError (message starting with "route:") for the inputs `route` rejects;
+    validation runs with top_k = 1, scaling = 1.0, renormalize = False.
+    """
+    check_route(logits, 1, method, bias, n_group, topk_group, 1.0, False)
+    return _keys(logits.to(_F32), method, bias, n_group, topk_group)
+
+
+def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch.Tensor] = None,
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+          renormalize: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Pick top_k experts per token and weight them (SPEC.md section 1).
+
+    Args:
+        logits: [T, E] float32, bfloat16 or float16 router logits; upcast exactly to f32
+            (x below). T >= 0, 1 <= E <= 2048 (grouped: E <= 1024).
+        top_k: K, 1 <= K <= min(E, 32); K = 1 for llama4; grouped: K <= topk_group * E / n_group.
+        method: softmax_topk | topk_softmax | sigmoid_topk | sigmoid_bias |
+            grouped_sigmoid_bias | llama4 (table in the module docstring).
+        bias: [E] float32 or bfloat16, upcast to f32; required by sigmoid_bias and
+            grouped_sigmoid_bias, rejected by the others. It changes the selection only.
+        n_group, topk_group: grouped_sigmoid_bias only (1 otherwise): E % n_group == 0,
+            E / n_group >= 2, n_group <= 32, 1 <= topk_group <= n_group.
+        scaling: finite; the biased methods' weights sum to it (1.0 for the others).
+        renormalize: softmax_topk and sigmoid_topk only (a no-op for topk_softmax, whose
+            weights already sum to 1; rejected for the others, which normalize by their
+            own rule).
+
+    Math (all f32; sel = ids[t, :]; keys as in `selection_keys`):
+        ids[t, j]     = index of the j-th largest key of row t under the total order
+                        (NaN > +inf, -0.0 == +0.0, equal keys: lower index first)
+        softmax_topk  w = p[sel], p = softmax(x);       renormalize: w / sum(w)
+        topk_softmax  w = softmax(x[sel])
+        sigmoid_topk  w = s[sel], s = sigmoid(x);       renormalize: w / max(sum(w), 1e-20)
+        sigmoid_bias, grouped_sigmoid_bias
+                      w = (s[sel] * f32(scaling)) / (sum(s[sel]) + 1e-20)
+        llama4        w = sigmoid(x[sel])
+
+    Returns:
+        (weights [T, K] float32 contiguous, ids [T, K] int32), fresh tensors on logits'
+        device. T = 0 gives two empty (0, K) tensors.
+
+    Raises:
+        ValueError "route: argument '<name>' ..." for a malformed call (see
+        reference.validate.check_route): wrong type/rank/dtype/device of logits or bias,
+        E or K out of range, a bias missing or given to a method without one, group
+        constraints violated, unknown method, non-finite scaling or scaling != 1 for an
+        unbiased method, renormalize with a method it does not apply to.
+    """
+    check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize)
+    x = logits.to(_F32)
+    keys = _keys(x, method, bias, n_group, topk_group)
+    sel = _topk_total_order(keys, top_k)                       # [T, K] int64
+
+    if method == "softmax_topk":
+        w = keys.gather(-1, sel)                               # the keys are p
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True)
+    elif method == "topk_softmax":
+        w = torch.softmax(x.gather(-1, sel), dim=-1)           # renormalize: already sums to 1
+    elif method == "sigmoid_topk":
+        w = keys.gather(-1, sel)                               # the keys are s
+        if renormalize:
+            w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+    elif method in ("sigmoid_bias", "grouped_sigmoid_bias"):
+        s = torch.sigmoid(x).gather(-1, sel)                   # bias left out on purpose
+        scale = torch.tensor(scaling, dtype=_F32, device=x.device)
+        w = (s * scale) / (s.sum(dim=-1, keepdim=True) + 1e-20)
+    else:  # llama4
+        w = torch.sigmoid(x.gather(-1, sel))
+
+    return w.to(_F32).contiguous(), sel.to(torch.int32).contiguous()
