@@ -15,14 +15,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(if $(filter keep,$(TORCH)),,$(VPY) -m pip install -q "$(TORCH)")
-	$(VPY) -m pip install -q -e .
+	$(VPY) -m pip install -q -e . >$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	touch $@
 
 setup: $(VENV)/.installed build
 
 # ninja inside torch.utils.cpp_extension rebuilds only what changed; a no-op is quick.
 build: $(VENV)/.installed
-	$(VPY) -m optimized._build
+	$(VPY) -c "import optimized; print('moelab CPU extension:', optimized.backend_info())"
 
 test: setup
 	$(VPY) -m pytest -q

@@ -8,14 +8,13 @@ Sources:
                           binding picks the level at run time from cpuid (isa_dispatch.h).
 No -march=native: the build runs on any x86-64, the ISA is chosen when the op runs.
 
-ninja rebuilds only what changed, so `python -m optimized._build` after an edit is quick
-and a no-op when nothing changed. MOELAB_BUILD_DIR overrides the build folder (default:
+ninja rebuilds only what changed, so `make build` (or importing `optimized`) after an edit
+is quick, and a no-op when nothing changed. MOELAB_BUILD_DIR overrides the build folder (default:
 build/ beside the package).
 """
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 PKG = Path(__file__).resolve().parent
@@ -75,9 +74,3 @@ def load(verbose: bool = False) -> None:
     )
     _loaded = True
 
-
-if __name__ == "__main__":
-    load(verbose="-v" in sys.argv)
-    import torch
-
-    print("moelab CPU extension:", ", ".join(torch.ops.moelab.backend_info()))
