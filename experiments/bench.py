@@ -1,0 +1,103 @@
+"""`python -m experiments.bench [--ops route,permute,...] [--quick] [--csv PATH]`
+
+Times each optimized op against the eager-PyTorch way a user would write it, side by side in
+one run (experiments.timing.compare), and prints one table: median time of each, the
+speedup (median of per-round ratios, with its min..max), the achieved GB/s and the fraction
+of the read bandwidth measured in the same run (the memory floor).
+
+Cases live in experiments/cases_<op>.py; each module defines `cases(quick) -> list[Case]`.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import importlib
+import pkgutil
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from . import timing
+
+
+@dataclass
+class Case:
+    op: str
+    shape: str                      # a readable description of the point
+    eager: Callable[[], object]     # the way a user would write it in PyTorch
+    ours: Callable[[], object]      # optimized
+    nbytes: int                     # bytes the op must move at least (its memory floor)
+    target: float | None = None     # the issue's speed target (ratio), if any
+
+
+def discover() -> dict[str, Callable[[bool], list[Case]]]:
+    import experiments
+    found = {}
+    for m in pkgutil.iter_modules(experiments.__path__):
+        if m.name.startswith("cases_"):
+            found[m.name[len("cases_"):]] = importlib.import_module(f"experiments.{m.name}").cases
+    return found
+
+
+def run(ops: list[str], quick: bool, rounds: int) -> list[dict]:
+    bw = timing.read_bandwidth()
+    rows = []
+    for op in ops:
+        for case in discover()[op](quick):
+            t = timing.compare({"eager": case.eager, "ours": case.ours}, rounds=rounds)
+            sp, lo, hi = timing.ratio(t["eager"], t["ours"])
+            ours = t["ours"].median
+            rows.append({
+                "op": case.op, "shape": case.shape,
+                "eager_us": t["eager"].median * 1e6, "ours_us": ours * 1e6,
+                "ours_iqr_us": t["ours"].iqr * 1e6,
+                "speedup": sp, "speedup_min": lo, "speedup_max": hi,
+                "target": case.target, "GBps": case.nbytes / ours / 1e9,
+                "floor_frac": case.nbytes / ours / bw,
+            })
+    return rows
+
+
+def print_table(rows: list[dict], file=sys.stdout) -> None:
+    m = timing.machine()
+    print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}; "
+          f"read bandwidth {timing.read_bandwidth() / 1e9:.1f} GB/s (same run)", file=file)
+    hdr = f"{'op':<14}{'point':<34}{'eager us':>10}{'ours us':>10}{'speedup (min..max)':>22}{'target':>8}{'GB/s':>8}{'floor':>7}"
+    print(hdr, file=file)
+    print("-" * len(hdr), file=file)
+    for r in rows:
+        tgt = "" if r["target"] is None else (("ok " if r["speedup"] >= r["target"] else "MISS ")
+                                               + f"{r['target']:g}")
+        spd = f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
+        print(f"{r['op']:<14}{r['shape']:<34}{r['eager_us']:>10.1f}{r['ours_us']:>10.1f}{spd:>22}"
+              f"{tgt:>8}{r['GBps']:>8.1f}{r['floor_frac']:>7.0%}", file=file)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.bench", description=__doc__.splitlines()[0])
+    p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
+    p.add_argument("--quick", action="store_true", help="fewer rounds and points")
+    p.add_argument("--rounds", type=int, default=None)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    known = discover()
+    ops = a.ops.split(",") if a.ops else sorted(known)
+    bad = [o for o in ops if o not in known]
+    if bad:
+        p.error(f"unknown op(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7))
+    print_table(rows)
+    if a.csv:
+        with open(a.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""A small benchmark library: side-by-side timing, floors, and a machine stamp.
+
+These machines are shared and noisy, so speeds are compared as ratios measured side by
+side in one run: `compare` runs the candidates interleaved, round after round, and reports
+per candidate the median time with its spread (IQR) and, against the first candidate (the
+baseline), the median of the per-round ratios. Each round times every candidate with
+torch.utils.benchmark (which warms up first) for at least `min_time` seconds.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.utils.benchmark as tb
+
+
+@dataclass
+class Timing:
+    name: str
+    times: list[float] = field(default_factory=list)   # seconds per call, one per round
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.times)
+
+    @property
+    def iqr(self) -> float:
+        if len(self.times) < 2:
+            return 0.0
+        q = statistics.quantiles(self.times, n=4)
+        return q[2] - q[0]
+
+
+def _time_once(fn: Callable[[], object], min_time: float) -> float:
+    m = tb.Timer(stmt="fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+    return m.blocked_autorange(min_run_time=min_time).median
+
+
+def compare(candidates: dict[str, Callable[[], object]], *, rounds: int = 5,
+            min_time: float = 0.05) -> dict[str, Timing]:
+    """Interleaved timing of several callables doing the same work; the first is the baseline."""
+    out = {name: Timing(name) for name in candidates}
+    for fn in candidates.values():   # warm caches, JIT, allocator
+        fn()
+    for _ in range(rounds):
+        for name, fn in candidates.items():
+            out[name].times.append(_time_once(fn, min_time))
+    return out
+
+
+def ratio(base: Timing, other: Timing) -> tuple[float, float, float]:
+    """Speedup of `other` over `base`: (median, min, max) of the per-round ratios."""
+    r = [b / o for b, o in zip(base.times, other.times)]
+    return statistics.median(r), min(r), max(r)
+
+
+_read_bw: float | None = None
+
+
+def read_bandwidth(nbytes: int = 256 << 20) -> float:
+    """Memory read bandwidth in bytes/s on this run's threads (a large f32 sum, median)."""
+    global _read_bw
+    if _read_bw is None:
+        x = torch.ones(nbytes // 4, dtype=torch.float32)
+        t = compare({"sum": lambda: x.sum()}, rounds=3, min_time=0.2)["sum"].median
+        _read_bw = nbytes / t
+    return _read_bw
+
+
+def machine() -> dict[str, str]:
+    """Where a result was measured: CPU model, ISA used, threads, torch version."""
+    model = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": model, "threads": str(torch.get_num_threads()), "torch": torch.__version__,
+            "cores": str(os.cpu_count())}
+    try:
+        import optimized
+        info["isa"] = optimized.backend_info().get("active", "?")
+    except Exception as exc:  # the extension may be unavailable; say so
+        info["isa"] = f"unavailable ({type(exc).__name__})"
+    return info
+
+
+def machine_id() -> str:
+    """A short folder-friendly name of this machine, for results/<machine>/."""
+    m = machine()
+    cpu = "".join(c if c.isalnum() else "-" for c in m["cpu"]).strip("-").lower()
+    while "--" in cpu:
+        cpu = cpu.replace("--", "-")
+    return f"{cpu[:40]}-{m['threads']}t"
+
+
+class Rotating:
+    """Cycles through copies of an op's arguments so each call reads cold memory.
+
+    Decode kernels are judged against DRAM bandwidth: in a real model every layer has its
+    own weights, so they do not sit in the cache between calls. Timing one small weight in a
+    loop measures the cache instead (a pitfall DESIGN.md names). `Rotating(make, nbytes)`
+    builds enough copies (make() each) that together they exceed `cold_bytes`.
+    """
+
+    def __init__(self, make: Callable[[], object], nbytes: int, cold_bytes: int = 384 << 20,
+                 max_copies: int = 64):
+        n = max(2, min(max_copies, -(-cold_bytes // max(nbytes, 1))))
+        self.items = [make() for _ in range(n)]
+        self.i = 0
+
+    def next(self):
+        self.i = (self.i + 1) % len(self.items)
+        return self.items[self.i]
