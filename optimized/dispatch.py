@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
+
 _batch_invariant = False
 
 
@@ -64,7 +66,43 @@ def router_gemm_decision(x, weight) -> Decision:
     return Decision("router_gemm", "library", f"T = {T} > {ROUTER_GEMM_MAX_T}: F.linear(x.float(), w)")
 
 
-_EXPLAINERS = {"router_gemm": router_gemm_decision}
+# ---------------------------------------------------------------------------- route
+# One CPU kernel for every method and size (csrc/cpu/route_kernel.h); no crossover to a
+# library path, so it is batch invariant in every mode. The only policy is threading: the
+# binding hands at::parallel_for a grain of ROUTE_GRAIN_ELEMS // E tokens per task (at least
+# 1), so a task carries ~2048 expert keys (~0.3-1 us of work) and small batches (decode)
+# run on the calling thread instead of paying the thread pool's fork/join (~1-2 us here).
+# Kept in sync with grain_tokens() in csrc/torch/route.cpp.
+ROUTE_GRAIN_ELEMS = 2048
+
+
+def _has_kernel(op: str, device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+def route_decision(logits, top_k, method, **kwargs) -> Decision:
+    dev = logits.device.type
+    if dev != "cpu" and not _has_kernel("moelab::route", dev):
+        return Decision("route", "reference", f"no moelab route kernel for device {dev}")
+    T, E = logits.shape
+    grain = max(1, ROUTE_GRAIN_ELEMS // max(E, 1))
+    tasks = "1 task (calling thread)" if T < grain else f"tasks of >= {grain} tokens"
+    return Decision("route", "moelab", f"{method}, T = {T}, E = {E}, K = {top_k}: {tasks}")
+
+
+def route_fallback(logits, top_k, method, **kwargs):
+    """route on a device without a moelab kernel: the reference (same results)."""
+    if _has_kernel("moelab::route", logits.device.type):
+        return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
+                                              float(kwargs.get("scaling", 1.0)),
+                                              kwargs.get("renormalize", False),
+                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1))
+    import reference.route
+    return reference.route.route(logits, top_k, method, **kwargs)
+
+
+_EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision}
 
 
 def explain(op: str, *args, **kwargs) -> Decision:
