@@ -61,7 +61,9 @@ def check_tensor(op: str, name: str, t, *, ndim: Optional[int] = None,
         fail(op, name, f"must have dtype {_dt(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
     if shape is not None:
         want = tuple(shape)
-        if len(want) != t.dim() or any(w is not None and w != s for w, s in zip(want, t.shape)):
+        # (t.shape == want is the common, fast case; the element-wise test handles None = any)
+        if t.shape != want and (len(want) != t.dim()
+                                or any(w is not None and w != s for w, s in zip(want, t.shape))):
             shown = tuple("*" if w is None else w for w in want)
             fail(op, name, f"must have shape {shown}, got {tuple(t.shape)}")
     if device is not None and t.device != device:
@@ -115,8 +117,9 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     if not 1 <= E <= MAX_EXPERTS:
         fail(op, "logits", f"must have 1 <= E <= {MAX_EXPERTS} columns (experts), got E = {E}")
     check_choice(op, "method", method, ROUTE_METHODS)
-    check_int(op, "top_k", top_k, 1, min(E, MAX_TOP_K),
-              what=f"1 <= top_k <= min(E, {MAX_TOP_K}) = {min(E, MAX_TOP_K)}")
+    k_max = min(E, MAX_TOP_K)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= k_max:
+        check_int(op, "top_k", top_k, 1, k_max, what=f"1 <= top_k <= min(E, {MAX_TOP_K}) = {k_max}")
     if method == "llama4" and top_k != 1:
         fail(op, "top_k", f"must be 1 for method 'llama4', got {top_k}")
     if method in BIAS_METHODS:
