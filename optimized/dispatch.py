@@ -67,13 +67,15 @@ def router_gemm_decision(x, weight) -> Decision:
 
 
 # ---------------------------------------------------------------------------- route
-# One CPU kernel for every method and size (csrc/cpu/route_kernel.h); no crossover to a
-# library path, so it is batch invariant in every mode. The only policy is threading: the
-# binding hands at::parallel_for a grain of ROUTE_GRAIN_ELEMS // E tokens per task (at least
-# 1), so a task carries ~2048 expert keys (~0.3-1 us of work) and small batches (decode)
-# run on the calling thread instead of paying the thread pool's fork/join (~1-2 us here).
-# Kept in sync with grain_tokens() in csrc/torch/route.cpp.
-ROUTE_GRAIN_ELEMS = 2048
+# One CPU kernel for every method and size (csrc/cpu/route_kernel.h), no library path, so
+# route is batch invariant in every mode. The only policy is threading: a parallel task gets
+# at least ROUTE_GRAIN_ELEMS // E tokens (>= 1), i.e. ~16K expert keys, ~8 us of work at
+# ~0.5 ns per key, so the thread pool's fork/join (a few us here, and far more when the 2
+# cores are shared with other processes, as the bench machine often is) is amortized;
+# smaller batches (decode, T <= 64 at E = 256, T <= 18 at E = 896) run on the calling
+# thread. Measured: experiments/cases_route.py. Kept in sync with grain_tokens() in
+# csrc/torch/route.cpp.
+ROUTE_GRAIN_ELEMS = 16384
 
 
 def _has_kernel(op: str, device_type: str) -> bool:
@@ -83,7 +85,9 @@ def _has_kernel(op: str, device_type: str) -> bool:
 
 def route_decision(logits, top_k, method, **kwargs) -> Decision:
     dev = logits.device.type
-    if dev != "cpu" and not _has_kernel("moelab::route", dev):
+    if dev != "cpu":
+        if _has_kernel("moelab::route", dev):
+            return Decision("route", "moelab", f"the registered {dev} kernel of moelab::route")
         return Decision("route", "reference", f"no moelab route kernel for device {dev}")
     T, E = logits.shape
     grain = max(1, ROUTE_GRAIN_ELEMS // max(E, 1))
@@ -92,7 +96,8 @@ def route_decision(logits, top_k, method, **kwargs) -> Decision:
 
 
 def route_fallback(logits, top_k, method, **kwargs):
-    """route on a device without a moelab kernel: the reference (same results)."""
+    """route off the CPU: the device's moelab::route kernel if one is registered (meta: shapes
+    only), else the reference (same results, reference speed)."""
     if _has_kernel("moelab::route", logits.device.type):
         return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
                                               float(kwargs.get("scaling", 1.0)),

@@ -37,10 +37,11 @@ Fmt fmt_of(const at::Tensor& t) {
   }
 }
 
-// Tokens per parallel task: a task should carry a few microseconds of work, or the fork/join
-// of the thread pool costs more than it saves (see optimized/dispatch.py, route section).
+// Tokens per parallel task: ~16K expert keys (~8 us), so the thread pool's fork/join is
+// amortized; fewer tokens run on the calling thread. The policy and its reasons live in
+// optimized/dispatch.py (ROUTE_GRAIN_ELEMS, route section), which must say the same number.
 int64_t grain_tokens(int64_t E) {
-  return std::max<int64_t>(1, 2048 / std::max<int64_t>(E, 1));
+  return std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
 }
 
 std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t top_k,
@@ -107,7 +108,11 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t t
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
   auto* fn = MOELAB_PICK(route_tokens);
-  at::parallel_for(0, T, grain_tokens(E), [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
+  const int64_t grain = grain_tokens(E);
+  if (T < grain || at::get_num_threads() == 1 || at::in_parallel_region())
+    fn(p, 0, T);                                   // decode: no thread-pool round trip
+  else
+    at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
   return {weights, ids};
 }
 
