@@ -35,17 +35,14 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
 
     Validation is reference.validate.check_route (ValueError naming the argument). CPU
     tensors run the moelab kernel; other devices take dispatch.route_fallback. Logits with
-    a row stride (a column slice of a wider matrix) are read in place; only a non-unit
-    stride along E makes a contiguous copy.
+    a row stride (a column slice of a wider matrix) are read in place; a non-unit stride
+    along E, or a strided bias, is copied first.
     """
     check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize)
     if not logits.is_cpu:
         return dispatch.route_fallback(logits, top_k, method, bias=bias, n_group=n_group,
                                        topk_group=topk_group, scaling=scaling, renormalize=renormalize)
-    if not logits.is_contiguous() and logits.shape[0] > 0 and logits.stride(1) != 1:
-        logits = logits.contiguous()
-    if bias is not None and not bias.is_contiguous():
-        bias = bias.contiguous()
+    # Layouts are the binding's business (strided rows read in place, other strides copied).
     # Arguments left at the schema's defaults are not passed: each one costs ~0.1 us of
     # argument parsing in the dispatcher, which is most of a decode step's route call.
     if n_group != 1 or topk_group != 1:

@@ -307,6 +307,9 @@ def test_strided_logits_and_bias_read_in_place():
     a = optimized.route(xt, 8, "softmax_topk")
     b = optimized.route(xt.contiguous(), 8, "softmax_topk")
     assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    a = op(xt, 8, "sigmoid_bias", bias, 2.5)      # the op itself takes any layout
+    b = op(xt.contiguous(), 8, "sigmoid_bias", bias.contiguous(), 2.5)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -339,7 +342,6 @@ HOSTILE = [
     ("logits int32", (Z(2, 8, dtype=torch.int32), 2, "softmax_topk"), "logits"),
     ("logits 1-D", (Z(8), 2, "softmax_topk"), "logits"),
     ("logits 3-D", (Z(1, 2, 8), 2, "softmax_topk"), "logits"),
-    ("logits stride along E", (Z(8, 4).t(), 2, "softmax_topk"), "logits"),
     ("E = 0", (Z(2, 0), 1, "softmax_topk"), "logits"),
     ("E > 2048", (Z(1, 2049), 2, "softmax_topk"), "logits"),
     ("K = 0", (Z(2, 8), 0, "softmax_topk"), "top_k"),
@@ -355,7 +357,6 @@ HOSTILE = [
     ("bias 2-D", (Z(2, 8), 2, "sigmoid_bias", Z(1, 8)), "bias"),
     ("bias float16", (Z(2, 8), 2, "sigmoid_bias", Z(8, dtype=torch.float16)), "bias"),
     ("bias int64", (Z(2, 8), 2, "sigmoid_bias", Z(8, dtype=torch.int64)), "bias"),
-    ("bias non-contiguous", (Z(2, 8), 2, "sigmoid_bias", Z(16)[::2]), "bias"),
     ("scaling inf", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("inf")), "scaling"),
     ("scaling NaN", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("nan")), "scaling"),
     ("scaling with softmax", (Z(2, 8), 2, "softmax_topk", None, 2.0), "scaling"),

@@ -44,13 +44,16 @@ int64_t grain_tokens(int64_t E) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
 }
 
-std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t top_k,
+std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_t top_k,
                                              const std::string& method,
-                                             const std::optional<at::Tensor>& bias, double scaling,
+                                             const std::optional<at::Tensor>& bias_in, double scaling,
                                              bool renormalize, int64_t n_group, int64_t topk_group) {
-  check_cpu(logits, kOp, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  check_cpu(logits_in, kOp, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  // Rows may be apart by any stride (a column slice of a wider matrix is read in place);
+  // only a non-unit stride along E costs a contiguous copy.
+  const at::Tensor logits =
+      logits_in.size(0) > 0 && logits_in.size(1) > 1 && logits_in.stride(1) != 1 ? logits_in.contiguous() : logits_in;
   const int64_t T = logits.size(0), E = logits.size(1);
-  MOELAB_CHECK(T == 0 || logits.stride(1) == 1, kOp, "logits", "must have unit stride along E");
   MOELAB_CHECK(E >= 1 && E <= cpu::kRouteMaxExperts, kOp, "logits", "must have 1 <= E <= ",
                cpu::kRouteMaxExperts, " columns (experts), got E = ", E);
   const int m = method_code(method);
@@ -59,6 +62,8 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t t
                std::min<int64_t>(E, cpu::kRouteMaxTopK), ", got ", top_k);
   MOELAB_CHECK(m != cpu::kLlama4 || top_k == 1, kOp, "top_k", "must be 1 for method 'llama4', got ", top_k);
   const bool biased = m == cpu::kSigmoidBias || m == cpu::kGroupedSigmoidBias;
+  std::optional<at::Tensor> bias;
+  if (bias_in.has_value()) bias = bias_in->contiguous();
   if (biased) {
     MOELAB_CHECK(bias.has_value(), kOp, "bias", "is required by method '", method, "'");
     check_cpu(*bias, kOp, "bias", 1, {at::kFloat, at::kBFloat16});
