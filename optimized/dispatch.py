@@ -103,8 +103,8 @@ def route_fallback(logits, top_k, method, **kwargs):
                                               float(kwargs.get("scaling", 1.0)),
                                               kwargs.get("renormalize", False),
                                               kwargs.get("n_group", 1), kwargs.get("topk_group", 1))
-    import reference.route
-    return reference.route.route(logits, top_k, method, **kwargs)
+    from reference.route import route as reference_route
+    return reference_route(logits, top_k, method, **kwargs)
 
 
 _EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision}

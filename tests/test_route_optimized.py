@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import optimized
-import reference.route as ref
+from reference.route import route as reference_route, selection_keys
 from optimized import dispatch
 from tests.test_route_reference import ERROR_CASES
 
@@ -96,7 +96,7 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
     cache_key: the inputs are a deterministic function of it; the reference's answer is then
     computed once for all ISA levels."""
     if cache_key is None or cache_key not in _REF_CACHE:
-        out = ref.route(x, K, method, **kw)
+        out = reference_route(x, K, method, **kw)
         if cache_key is not None:
             _REF_CACHE[cache_key] = out
     w0, i0 = out if cache_key is None else _REF_CACHE[cache_key]
@@ -108,7 +108,7 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
     flips = int((~same).sum())
     if flips:
         assert allow_flips, f"{method}: {flips} rows with different ids, e.g. {i0[~same][0]} vs {i1[~same][0]}"
-        keys = ref.selection_keys(x, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1))
+        keys = selection_keys(x, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1))
         for t in torch.nonzero(~same).flatten().tolist():
             a, b = i0[t].long(), i1[t].long()
             assert len(set(b.tolist())) == K and int(b.min()) >= 0 and int(b.max()) < x.shape[1]
@@ -128,7 +128,7 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
 
 def group_score_gap(x_row, kw):
     """Smallest ulp gap between the topk_group-th and the next group score of one row."""
-    keys = ref.selection_keys(x_row, "sigmoid_bias", kw["bias"])[0]
+    keys = selection_keys(x_row, "sigmoid_bias", kw["bias"])[0]
     ng, tg = kw["n_group"], kw["topk_group"]
     top2 = keys.view(ng, -1).topk(2, dim=-1).values.sum(-1)
     s = top2.sort(descending=True).values
