@@ -129,8 +129,10 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
                      device=logits.device)
     elif bias is not None:
         fail(op, "bias", f"is only used by {', '.join(BIAS_METHODS)}; got a bias with method '{method}'")
-    check_int(op, "n_group", n_group, 1)
-    check_int(op, "topk_group", topk_group, 1)
+    # (route runs once per MoE layer and decode step: plain in-range values skip the calls)
+    if not (type(n_group) is int and type(topk_group) is int and n_group >= 1 and topk_group >= 1):
+        check_int(op, "n_group", n_group, 1)
+        check_int(op, "topk_group", topk_group, 1)
     if method == "grouped_sigmoid_bias":
         if E > MAX_EXPERTS_GROUPED:
             fail(op, "logits", f"must have E <= {MAX_EXPERTS_GROUPED} for grouped routing, got E = {E}")
@@ -144,7 +146,8 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     elif n_group != 1 or topk_group != 1:
         fail(op, "n_group" if n_group != 1 else "topk_group",
              f"only applies to method 'grouped_sigmoid_bias'; must be 1 with method '{method}'")
-    check_float(op, "scaling", scaling)
+    if not (type(scaling) is float and math.isfinite(scaling)):
+        check_float(op, "scaling", scaling)
     if method not in BIAS_METHODS and scaling != 1.0:
         fail(op, "scaling", f"only applies to {', '.join(BIAS_METHODS)}; must be 1.0 with '{method}'")
     if not isinstance(renormalize, bool):
