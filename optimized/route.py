@@ -2,10 +2,16 @@
 torch.ops.moelab.route; csrc/cpu/route_kernel.h describes the algorithm and its cost.
 
 Same signature, validation and results as reference.route: ids are identical wherever the
-keys are (the tie rule is exact), weights agree to about an ulp. The kernel's exp/sigmoid
-may differ from the reference's exactly rounded ones by an ulp; where that reorders two
-keys an ulp apart, the ids differ by a near-tie flip (reference.route's docstring), never
-for exactly equal keys.
+keys are (the tie rule is exact, on every ISA level, for any thread count and batch). The
+kernel's sigmoid/softmax keys are within one ulp of the reference's exactly rounded ones
+(~96% identical); where that reorders two keys an ulp apart, the ids differ by a near-tie
+flip (reference.route's docstring), never for exactly equal keys. Weights: within 1-2 ulps
+(p, s, softmax over the selected), up to ~4 after a normalization by their sum.
+
+The op itself, for direct use (same checks, RuntimeError naming the argument):
+    torch.ops.moelab.route(logits, top_k, method, bias=None, scaling=1.0, renormalize=False,
+                           n_group=1, topk_group=1) -> (weights, ids)
+with method given by name.
 """
 from __future__ import annotations
 
