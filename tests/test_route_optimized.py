@@ -108,15 +108,7 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
     flips = int((~same).sum())
     if flips:
         assert allow_flips, f"{method}: {flips} rows with different ids, e.g. {i0[~same][0]} vs {i1[~same][0]}"
-        keys = selection_keys(x, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1))
-        for t in torch.nonzero(~same).flatten().tolist():
-            a, b = i0[t].long(), i1[t].long()
-            assert len(set(b.tolist())) == K and int(b.min()) >= 0 and int(b.max()) < x.shape[1]
-            ka, kb = keys[t, a], keys[t, b]
-            gap = int(ulp_dist(ka, kb)[a != b].max())
-            if method == "grouped_sigmoid_bias" and gap > NEAR_TIE_ULPS:
-                gap = group_score_gap(x[t:t + 1], kw)
-            assert gap <= NEAR_TIE_ULPS, f"{method}: row {t} differs with a key gap of {gap} ulps"
+        assert_near_tie_flips(x, K, method, kw, i0, i1)
         assert flips <= max(1, x.shape[0] // 100), f"{method}: {flips} near-tie flips in {x.shape[0]} rows"
     tol = RENORM_WEIGHT_ULPS if kw.get("renormalize") else WEIGHT_ULPS[method]
     nan0, nan1 = torch.isnan(w0[same]), torch.isnan(w1[same])
@@ -124,6 +116,31 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
     d = ulp_dist(w0[same][~nan0], w1[same][~nan0])
     assert d.numel() == 0 or int(d.max()) <= tol, f"{method}: weights {int(d.max())} ulps apart"
     return flips
+
+
+def assert_near_tie_flips(x, K, method, kw, i0, i1):
+    """Every row where i1 differs from the reference's i0 must be a near-tie flip: valid
+    distinct ids, and at each differing slot the two experts' reference keys within
+    NEAR_TIE_ULPS (grouped: or the group scores at the kept/dropped boundary that close)."""
+    keys = selection_keys(x, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1))
+    for t in torch.nonzero((i0 != i1).any(dim=1)).flatten().tolist():
+        a, b = i0[t].long(), i1[t].long()
+        assert len(set(b.tolist())) == K and int(b.min()) >= 0 and int(b.max()) < x.shape[1]
+        gap = int(ulp_dist(keys[t, a], keys[t, b])[a != b].max())
+        if method == "grouped_sigmoid_bias" and gap > NEAR_TIE_ULPS:
+            gap = group_score_gap(x[t:t + 1], kw)
+        assert gap <= NEAR_TIE_ULPS, f"{method}: row {t} differs with a key gap of {gap} ulps"
+
+
+def test_near_tie_classification_can_fail():
+    """The flip check accepts a swap of two keys one ulp apart and rejects any other swap."""
+    x = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    x[0, 2] = torch.nextafter(x[0, 1], torch.tensor(0.0))          # one ulp below expert 1
+    i0 = torch.tensor([[1, 2]], dtype=torch.int32)
+    assert_near_tie_flips(x, 2, "topk_softmax", {}, i0, torch.tensor([[2, 1]], dtype=torch.int32))
+    for bad in ([[1, 0]], [[0, 1]], [[1, 1]], [[1, 7]]):
+        with pytest.raises((AssertionError, IndexError)):
+            assert_near_tie_flips(x, 2, "topk_softmax", {}, i0, torch.tensor(bad, dtype=torch.int32))
 
 
 def group_score_gap(x_row, kw):
