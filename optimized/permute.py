@@ -51,16 +51,16 @@ class PermuteScratch(_ref.PermuteScratch):
         super().__init__(max_tokens, top_k, n_experts, hidden_size, dtype, device,
                          n_local_experts=n_local_experts, align=align)
         self.counts = torch.empty(self.n_local_experts, dtype=torch.int64, device=self.device)
-        self._views: dict[int, tuple] = {}
+        self._views: dict[int, tuple[Permuted, tuple]] = {}
 
-    def views(self, T: int) -> tuple:
-        """(offsets, hidden, src_row, dst_pos, counts) sized for a call with T tokens (cached)."""
+    def views(self, T: int) -> tuple[Permuted, tuple]:
+        """For a call with T tokens: the Permuted of views it returns, and the five buffers the
+        op writes (offsets, hidden, src_row, dst_pos, counts). Made once per T and kept."""
         v = self._views.get(T)
         if v is None:
             cap = capacity(T, self.top_k, self.n_local_experts, self.align)
-            v = (self.offsets, self.hidden[:cap], self.src_row[:cap], self.dst_pos[:T * self.top_k],
-                 self.counts)
-            self._views[T] = v
+            out = Permuted(self.offsets, self.hidden[:cap], self.src_row[:cap], self.dst_pos[:T * self.top_k])
+            v = self._views[T] = (out, (*out, self.counts))
         return v
 
 
@@ -112,10 +112,9 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
     try:
         if scratch is None:
             return Permuted(*_permute_op(hidden, ids, n_experts, expert_map, E_loc, align))
-        offsets, out_hidden, src_row, dst_pos, counts = scratch.views(hidden.shape[0])
-        _permute_out_op(hidden, ids, n_experts, expert_map, E_loc, align, offsets, out_hidden, src_row, dst_pos,
-                        counts)
-        return Permuted(offsets, out_hidden, src_row, dst_pos)
+        out, buffers = scratch.views(hidden.shape[0])
+        _permute_out_op(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
+        return out
     except RuntimeError:
         # The kernel found an index out of range: word it as the reference does.
         validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align)

@@ -1,15 +1,14 @@
 // Bindings of permute / unpermute (SPEC 2). Three ops:
 //   permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
 //       -> (offsets, hidden_out, src_row, dst_pos)                    fresh outputs
-//   permute_out(..., *, offsets!, hidden_out!, src_row!, dst_pos!, counts!) -> ()
-//       the same kernel writing into caller buffers (PermuteScratch): no allocation
+//   permute_out(..., offsets!, hidden_out!, src_row!, dst_pos!, counts!) -> ()
+//       the same kernel writing into caller buffers (a PermuteScratch): no allocation.
+//       The buffers are positional (not keyword-only): parsing keywords costs ~0.7 us a call.
 //   unpermute(expert_out, weights, dst_pos) -> out
 // Everything the kernels rely on is re-checked here (a direct torch.ops.moelab call with
 // hostile arguments raises RuntimeError). The id / expert_map ranges are checked inside
 // permute_plan's histogram pass (no extra pass, no temporary tensors), dst_pos's range by
 // one serial pass before the parallel kernel.
-#include <ATen/MemoryOverlap.h>
-
 #include <climits>
 #include <sys/mman.h>
 #include <vector>
