@@ -153,10 +153,9 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
 
 # ------------------------------------------------------------------------- permute
 def check_ids(op: str, name: str, ids, T: int, K: Optional[int], n_experts: int, device,
-              dtypes=INDEX_DTYPES, ranges: bool = True) -> None:
+              dtypes=INDEX_DTYPES) -> None:
     check_tensor(op, name, ids, ndim=2, dtypes=dtypes, shape=(T, K), device=device)
-    if ranges:
-        check_index_range(op, name, ids, -1, n_experts)
+    check_index_range(op, name, ids, -1, n_experts)
 
 
 def check_expert_map(op: str, expert_map, n_experts: int, n_local_experts, device,
@@ -201,7 +200,9 @@ def check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align, *,
         fail(op, "ids", f"must have one row per token of hidden (T = {T}), got shape {tuple(ids.shape)}")
     if ids.shape[1] < 1:
         fail(op, "ids", "must have at least one column (top_k >= 1)")
-    check_ids(op, "ids", ids, T, None, n_experts, hidden.device, ranges=ranges)
+    check_tensor(op, "ids", ids, device=hidden.device)   # rank, dtype and shape checked above
+    if ranges:
+        check_index_range(op, "ids", ids, -1, n_experts)
     check_int(op, "align", align, 1)
     return check_expert_map(op, expert_map, n_experts, n_local_experts, hidden.device, ranges=ranges)
 
@@ -210,8 +211,12 @@ def check_scratch_fits(scratch, hidden, ids, n_experts, n_local_experts, align) 
     op = "permute"
     T, H = hidden.shape
     K = ids.shape[1]
-    # Plain comparisons first; the message is formatted only on a mismatch (this runs on every
-    # decode step of a scratch user, so it should cost next to nothing).
+    # This runs on every decode step of a scratch user: one short-circuit test first, and the
+    # per-field walk (with its message) only when something does not fit.
+    if (T <= scratch.max_tokens and scratch.top_k == K and scratch.n_experts == n_experts
+            and scratch.n_local_experts == n_local_experts and scratch.hidden_size == H
+            and scratch.dtype == hidden.dtype and scratch.align == align and scratch.device == hidden.device):
+        return
     for field, got, ok in (
         ("max_tokens", T, T <= scratch.max_tokens),
         ("top_k", K, scratch.top_k == K),
