@@ -73,13 +73,13 @@ _UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascendi
 
 
 def permute_decision(hidden, ids, n_experts, **_) -> Decision:
-    if hidden.device.type != "cpu":
+    if not hidden.is_cpu:
         return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
     return _PERMUTE_CPU
 
 
 def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
-    if expert_out.device.type != "cpu":
+    if not expert_out.is_cpu:
         return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
     return _UNPERMUTE_CPU
 

@@ -85,7 +85,7 @@ def _unpermute_fake(expert_out, weights, dst_pos):
 
 def _unit_inner(t: torch.Tensor) -> torch.Tensor:
     """Rows must be contiguous runs (the kernels copy/read whole rows); copy only if not."""
-    if t.numel() and t.shape[1] > 1 and t.stride(1) != 1:
+    if t.stride(1) != 1 and t.numel() and t.shape[1] > 1:
         return t.contiguous()
     return t
 
