@@ -52,6 +52,20 @@ constexpr int kTokTile = 2;
 
 template <Fmt F> constexpr int64_t esize() { return F == Fmt::kF32 ? 4 : 2; }
 
+// Software prefetch of the NEXT row block at the same offset, into L2: while this block's
+// products run, the next block's lines are already on their way, a whole block ahead (the
+// hardware prefetchers stop at 4 KiB pages and fall behind while the core computes; timed on
+// this machine, single core, cold weights: 5-15% faster at T = 1..4 than a fixed 1 KiB-ahead
+// prefetch into L1, itself 30% faster than none). A prefetch never faults, so running past
+// the thread's rows or the tensor's end is harmless.
+inline void prefetch_next_block(const char* w, int64_t ldw_b, int64_t off_b) {
+#if MOELAB_ISA_LEVEL >= 1
+  for (int j = 0; j < kRows; ++j) _mm_prefetch(w + (kRows + j) * ldw_b + off_b, _MM_HINT_T1);
+#else
+  (void)w, (void)ldw_b, (void)off_b;
+#endif
+}
+
 template <Fmt F> inline vf load_v(const char* p, int64_t i) {
   if constexpr (F == Fmt::kF32) return vload(reinterpret_cast<const float*>(p) + i);
   else if constexpr (F == Fmt::kBF16) return vload_bf16(reinterpret_cast<const uint16_t*>(p) + i);
@@ -84,6 +98,7 @@ inline void tile_fma(const char* x, int64_t ldx_b, const char* w, int64_t ldw_b,
   for (; k + kVecF <= K; k += kVecF) {
     vf wv[kRows];
     for (int j = 0; j < kRows; ++j) wv[j] = j < nr ? load_v<F>(w + j * ldw_b, k) : vzero();
+    if (MOELAB_ISA_LEVEL >= 1 && (k * esize<F>()) % 64 < kVecF * esize<F>()) prefetch_next_block(w, ldw_b, k * esize<F>());
     for (int t = 0; t < NT; ++t) {
       vf xv = load_v<F>(x + t * ldx_b, k);
       for (int j = 0; j < kRows; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
@@ -118,6 +133,7 @@ inline void tile_dp(const char* x, int64_t ldx_b, const char* w, int64_t ldw_b, 
     __m512i wv[kRows];
     for (int j = 0; j < kRows; ++j)
       wv[j] = j < nr ? _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(w + j * ldw_b) + k) : zero;
+    prefetch_next_block(w, ldw_b, k * 2);
     for (int t = 0; t < NT; ++t) {
       __m512i xv = _mm512_loadu_si512(reinterpret_cast<const uint16_t*>(x + t * ldx_b) + k);
       for (int j = 0; j < kRows; ++j)
