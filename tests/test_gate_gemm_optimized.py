@@ -264,12 +264,29 @@ def test_tolerance_catches_column_error(dtype):
 
 
 # ------------------------------------------------------------------ batch invariance
+def order_sensitive(x, w):
+    """Make rounding-order changes visible in the output: +2^14 and -2^14 enter at k = 0
+    and k = 2 (different vector lanes at every level) and cancel, so the other, small terms
+    (x scaled by 1/16) are added next to a large partial sum: any change of the
+    accumulation or horizontal-sum order moves the result by ~2^-10 of |y|, which shows up
+    even after bf16 rounding. (With plain random data a changed order differs by ~2^-20
+    relative and bf16/f16 rounding hides it almost always.)"""
+    x = x / 16
+    if x.shape[1] >= 3:
+        x[:, 0], x[:, 2] = 2.0 ** 14, -(2.0 ** 14)
+        w[:, 0] = w[:, 2] = 1
+    return x, w
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_skinny_batch_invariant(level, dtype):
     """A row's output alone equals its output inside any batch of T = 1..8, bit for bit."""
     for N, K in [(3, 17), (513, 2047), (257, 4096)]:
-        x8, w, b = make(8, N, K, dtype, seed=N + K, bias=True, pad=5)
+        x8, w, b = make(8, N, K, dtype, seed=N + K, bias=True)
+        x8, w = order_sensitive(x8, w)
+        x8 = torch.cat([x8, x8], 1)[:, :K]          # strided rows
         alone = torch.cat([optimized.skinny_gemm(x8[t:t + 1], w, b) for t in range(8)])
+        assert_close(alone, x8, w, b)
         for T in range(1, 9):
             assert torch.equal(optimized.skinny_gemm(x8[:T], w, b), alone[:T]), (level, N, K, T)
         # the same row at other positions, among other batch-mates
@@ -282,6 +299,7 @@ def test_skinny_batch_invariant(level, dtype):
 @pytest.mark.parametrize("dtype", [bf16, f32], ids=str)
 def test_unquantized_batch_invariant_mode_up_to_64(dtype):
     x64, w, b = make(64, 257, 1000, dtype, seed=9, bias=True)
+    x64, w = order_sensitive(x64, w)
     with dispatch.batch_invariant_mode():
         alone = torch.cat([optimized.unquantized_gemm(x64[t:t + 1], w, b) for t in range(64)])
         for T in range(1, 65):
