@@ -128,8 +128,41 @@ def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
     return _UNPERMUTE_CPU
 
 
+
+# ----------------------------------------------------------- unquantized_gemm (skinny vs library)
+# skinny_gemm streams the weight once for all T <= 8 tokens (memory-bound, like router_gemm);
+# F.linear (oneDNN/MKL) is tuned for large T. SKINNY_MAX_T is the contract's limit of the
+# kernel; SKINNY_DTYPES are the dtypes it takes. Measured crossover: see SKINNY_MEASURED.
+SKINNY_MAX_T = 8
+SKINNY_MIN_T = 1
+SKINNY_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+SKINNY_MEASURED = "provisional"
+
+
+def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
+    op = "unquantized_gemm"
+    T = x.shape[0]
+    if x.device.type != "cpu":
+        return Decision(op, "library", f"no moelab kernel for device {x.device.type}: F.linear")
+    if str(x.dtype) not in SKINNY_DTYPES:
+        return Decision(op, "library", f"skinny_gemm does not take {x.dtype}: F.linear")
+    if T <= SKINNY_MAX_T:
+        if _batch_invariant:
+            return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}, batch-invariant mode: skinny_gemm "
+                                          f"(fixed reduction order per output)")
+        return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}: skinny_gemm streams the weight once "
+                                      f"({SKINNY_MEASURED})")
+    if _batch_invariant:
+        return Decision(op, "skinny_chunked", f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
+                                              f"over chunks of {SKINNY_MAX_T} rows (invariant; reads the weight "
+                                              f"{-(-T // SKINNY_MAX_T)} times)")
+    return Decision(op, "library", f"T = {T} > {SKINNY_MAX_T}: F.linear (library GEMM; NOT batch invariant, "
+                                   f"its blocking may change with T)")
+
+
 _EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision,
-               "permute": permute_decision, "unpermute": unpermute_decision}
+               "permute": permute_decision, "unpermute": unpermute_decision,
+               "unquantized_gemm": unquantized_gemm_decision}
 
 
 def explain(op: str, *args, **kwargs) -> Decision:
