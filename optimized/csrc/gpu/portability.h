@@ -139,7 +139,7 @@ MOELAB_DEV double shfl_idx(double v, int s) {
 using vec16 = uint4;   // 16 bytes: 8 bf16/f16, 4 f32
 MOELAB_DEV vec16 ld16(const void* p) { return *static_cast<const vec16*>(p); }
 MOELAB_DEV void st16(void* p, vec16 v) { *static_cast<vec16*>(p) = v; }
-MOELAB_DEV bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+MOELAB_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ----------------------------------------------------------- number formats
 // bf16: the upper half of an f32 (widening is a shift); narrowing is formats.h's RNE.
