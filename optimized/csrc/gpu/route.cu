@@ -151,7 +151,17 @@ MOELAB_DEV uint32_t key_of(const RouteArgs& a, int e, float x, const SoftmaxRow&
 // ----------------------------------------------------------- weights of the K slots
 // Lane j < K holds slot j's composite c (all lanes of the warp call this; K <= 32 <= kWarp).
 // row: the token's logits. Writes weights and ids of token t.
-template <Fmt F>
+MOELAB_DEV float load_logit(const RouteArgs& a, const void* row, int e) {
+  switch (a.fmt) {
+    case Fmt::kBF16: return load_elem<Fmt::kBF16>(row, e);
+    case Fmt::kF16: return load_elem<Fmt::kF16>(row, e);
+    default: return load_elem<Fmt::kF32>(row, e);
+  }
+}
+MOELAB_DEV const void* logits_row(const RouteArgs& a, int64_t t) {
+  return static_cast<const char*>(a.logits) + t * a.ld * (a.fmt == Fmt::kF32 ? 4 : 2);
+}
+
 MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint64_t c) {
   const int lane = lane_id();
   const int K = a.K;
@@ -182,7 +192,7 @@ MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint
     }
     case kLlama4: w = sigmoid_rn(key); break;
     default: {                       // (grouped_)sigmoid_bias: the bias never enters a weight
-      const float s = mine ? sigmoid_rn(load_elem<F>(row, id)) : 0.0f;
+      const float s = mine ? sigmoid_rn(load_logit(a, row, int(id))) : 0.0f;
       float sum = shfl_idx(s, 0);
       for (int j = 1; j < K; ++j) sum = add_rn(sum, shfl_idx(s, j));
       const float den = add_rn(sum, 1e-20f);
@@ -199,19 +209,19 @@ MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint
 // ===================================================================== warp tier
 constexpr int kWarpsPerBlock = 4;
 
-template <Fmt F, int P>
+template <int P>
 __global__ void __launch_bounds__(kWarpsPerBlock * kWarp)
 route_warp_kernel(RouteArgs a) {
   const int64_t t = int64_t(blockIdx.x) * kWarpsPerBlock + warp_id();
   if (t >= a.T) return;                                   // whole warps leave together
   const int lane = lane_id(), E = a.E;
-  const void* row = static_cast<const char*>(a.logits) + t * a.ld * (F == Fmt::kF32 ? 4 : 2);
+  const void* row = logits_row(a, t);
 
   float x[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     const int e = lane + i * kWarp;
-    x[i] = e < E ? load_elem<F>(row, e) : 0.0f;
+    x[i] = e < E ? load_logit(a, row, e) : 0.0f;
   }
   SoftmaxRow sm{0.0, 1.0, false};
   if (a.method == kSoftmaxTopk) {
@@ -274,14 +284,14 @@ route_warp_kernel(RouteArgs a) {
     for (int i = 0; i < P; ++i) c[i] = c[i] == best ? 0ull : c[i];
     if (lane == j) slot = best;
   }
-  write_slots<F>(a, row, t, slot);
+  write_slots(a, row, t, slot);
 }
 
 // ==================================================================== block tier
 constexpr int kBlockWarps = kBlockThreads / kWarp;
 static_assert(kBlockWarps >= 2 && (kBlockWarps & (kBlockWarps - 1)) == 0, "warps per block: a power of two");
 
-template <Fmt F, int P>
+template <int P>
 __global__ void __launch_bounds__(kBlockThreads)
 route_block_kernel(RouteArgs a) {
   __shared__ uint64_t lists[2][kBlockWarps][kRouteMaxTopK];
@@ -293,13 +303,13 @@ route_block_kernel(RouteArgs a) {
 
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x, lane = lane_id(), warp = warp_id(), E = a.E, K = a.K;
-  const void* row = static_cast<const char*>(a.logits) + t * a.ld * (F == Fmt::kF32 ? 4 : 2);
+  const void* row = logits_row(a, t);
 
   float x[P];
 #pragma unroll
   for (int i = 0; i < P; ++i) {
     const int e = tid + i * kBlockThreads;
-    x[i] = e < E ? load_elem<F>(row, e) : 0.0f;
+    x[i] = e < E ? load_logit(a, row, e) : 0.0f;
   }
   SoftmaxRow sm{0.0, 1.0, false};
   if (a.method == kSoftmaxTopk) {                        // block max, then f64 block sum
@@ -413,31 +423,29 @@ route_block_kernel(RouteArgs a) {
     src ^= 1;
     __syncthreads();
   }
-  if (warp == 0) write_slots<F>(a, row, t, lane < K ? lists[src][0][lane] : 0ull);
+  if (warp == 0) write_slots(a, row, t, lane < K ? lists[src][0][lane] : 0ull);
 }
 
 // ------------------------------------------------------------------ dispatch helpers
-template <Fmt F>
 int launch_warp(const RouteArgs& a, int P, Stream s) {
   const dim3 grid(unsigned((a.T + kWarpsPerBlock - 1) / kWarpsPerBlock)), block(kWarpsPerBlock * kWarp);
   switch (P) {
-    case 1: MOELAB_LAUNCH((route_warp_kernel<F, 1>), grid, block, 0, s, a); break;
-    case 2: MOELAB_LAUNCH((route_warp_kernel<F, 2>), grid, block, 0, s, a); break;
-    case 4: MOELAB_LAUNCH((route_warp_kernel<F, 4>), grid, block, 0, s, a); break;
-    case 8: MOELAB_LAUNCH((route_warp_kernel<F, 8>), grid, block, 0, s, a); break;
-    case 16: MOELAB_LAUNCH((route_warp_kernel<F, 16>), grid, block, 0, s, a); break;
+    case 1: MOELAB_LAUNCH((route_warp_kernel<1>), grid, block, 0, s, a); break;
+    case 2: MOELAB_LAUNCH((route_warp_kernel<2>), grid, block, 0, s, a); break;
+    case 4: MOELAB_LAUNCH((route_warp_kernel<4>), grid, block, 0, s, a); break;
+    case 8: MOELAB_LAUNCH((route_warp_kernel<8>), grid, block, 0, s, a); break;
+    case 16: MOELAB_LAUNCH((route_warp_kernel<16>), grid, block, 0, s, a); break;
     default: return kUnsupported;
   }
   MOELAB_GPU_LAUNCHED();
   return kOk;
 }
-template <Fmt F>
 int launch_block(const RouteArgs& a, int P, Stream s) {
   const dim3 grid(unsigned(a.T)), block(kBlockThreads);
   switch (P) {
-    case 2: MOELAB_LAUNCH((route_block_kernel<F, 2>), grid, block, 0, s, a); break;
-    case 4: MOELAB_LAUNCH((route_block_kernel<F, 4>), grid, block, 0, s, a); break;
-    case 8: MOELAB_LAUNCH((route_block_kernel<F, 8>), grid, block, 0, s, a); break;
+    case 2: MOELAB_LAUNCH((route_block_kernel<2>), grid, block, 0, s, a); break;
+    case 4: MOELAB_LAUNCH((route_block_kernel<4>), grid, block, 0, s, a); break;
+    case 8: MOELAB_LAUNCH((route_block_kernel<8>), grid, block, 0, s, a); break;
     default: return kUnsupported;
   }
   MOELAB_GPU_LAUNCHED();
@@ -476,11 +484,8 @@ int route_launch(const RouteArgs& a, Stream stream) {
   if (a.T > 0x7fffffffLL) return kUnsupported;
   RoutePlan p;
   if (route_plan(a.E, a.K, &p) != kOk) return kUnsupported;
-  switch (a.fmt) {
-    case Fmt::kF32: return p.block ? launch_block<Fmt::kF32>(a, p.per_lane, stream) : launch_warp<Fmt::kF32>(a, p.per_lane, stream);
-    case Fmt::kBF16: return p.block ? launch_block<Fmt::kBF16>(a, p.per_lane, stream) : launch_warp<Fmt::kBF16>(a, p.per_lane, stream);
-    case Fmt::kF16: return p.block ? launch_block<Fmt::kF16>(a, p.per_lane, stream) : launch_warp<Fmt::kF16>(a, p.per_lane, stream);
-  }
+  if (a.fmt != Fmt::kF32 && a.fmt != Fmt::kBF16 && a.fmt != Fmt::kF16) return kBadArgument;
+  return p.block ? launch_block(a, p.per_lane, stream) : launch_warp(a, p.per_lane, stream);
   return kBadArgument;
 }
 

@@ -20,10 +20,12 @@
 namespace moelab::gpu {
 namespace {
 
-template <int TB> constexpr int kRowsFor = TB >= 32 ? 2 : 4;
+// Weight rows per block: TB x ROWS accumulators must stay in registers (64-lane AMD waves get
+// fewer VGPRs per lane at this block size, so fewer rows there).
+template <int TB> constexpr int kRowsFor = TB >= 32 ? (kWarp == 64 ? 1 : 2) : TB >= 16 ? (kWarp == 64 ? 2 : 4) : 4;
 
 template <int TB, Fmt XF, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads)
+__global__ void __launch_bounds__(kGemvThreads, 1)
 router_gemm_kernel(const void* __restrict__ x, int64_t ldx, const float* __restrict__ w, int64_t ldw,
                    float* __restrict__ out, int64_t T, int64_t H, int64_t E) {
   constexpr int ROWS = kRowsFor<TB>;
@@ -49,7 +51,8 @@ int launch_tb(const void* x, int64_t ldx, const float* w, int64_t ldw, float* ou
   if (gy > 65535) return kUnsupported;
   const dim3 grid(unsigned((E + ROWS - 1) / ROWS), unsigned(gy)), block(kGemvThreads);
   if (vec) MOELAB_LAUNCH((router_gemm_kernel<TB, XF, true>), grid, block, 0, s, x, ldx, w, ldw, out, T, H, E);
-  else MOELAB_LAUNCH((router_gemm_kernel<TB, XF, false>), grid, block, 0, s, x, ldx, w, ldw, out, T, H, E);
+  else if constexpr (TB == 1) MOELAB_LAUNCH((router_gemm_kernel<1, XF, false>), grid, block, 0, s, x, ldx, w, ldw, out, T, H, E);
+  else return kBadArgument;
   MOELAB_GPU_LAUNCHED();
   return kOk;
 }
@@ -60,8 +63,10 @@ int launch_fmt(const void* x, int64_t ldx, const float* w, int64_t ldw, float* o
   constexpr int64_t xes = XF == Fmt::kF32 ? 4 : 2;
   const uint64_t m = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) | uint64_t(ldx * xes) |
                      uint64_t(ldw * 4);
+  // Unaligned rows (a sliced x, H % 4 != 0): the scalar-load variant, one token per block
+  // row (TB = 1). Same chunking and order as the vector path, so the same bits.
   const bool vec = (m & 15u) == 0;
-  if (T <= 1) return launch_tb<1, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
+  if (!vec || T <= 1) return launch_tb<1, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
   if (T <= 2) return launch_tb<2, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
   if (T <= 4) return launch_tb<4, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
   if (T <= 8) return launch_tb<8, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);

@@ -21,7 +21,7 @@ namespace {
 constexpr int kRows = 4;
 
 template <int TB, Fmt F, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads)
+__global__ void __launch_bounds__(kGemvThreads, 1)
 skinny_gemm_kernel(const void* __restrict__ x, int64_t ldx, const void* __restrict__ w, int64_t ldw,
                    const void* __restrict__ bias, void* __restrict__ out, int64_t T, int64_t K, int64_t N) {
   __shared__ float red[kGemvWarps * TB * kRows];
@@ -42,9 +42,24 @@ template <int TB, Fmt F>
 int launch_tb(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias, void* out, int64_t T,
               int64_t K, int64_t N, bool vec, Stream s) {
   const dim3 grid(unsigned((N + kRows - 1) / kRows)), block(kGemvThreads);
-  if (vec) MOELAB_LAUNCH((skinny_gemm_kernel<TB, F, true>), grid, block, 0, s, x, ldx, w, ldw, bias, out, T, K, N);
-  else MOELAB_LAUNCH((skinny_gemm_kernel<TB, F, false>), grid, block, 0, s, x, ldx, w, ldw, bias, out, T, K, N);
+  (void)vec;
+  MOELAB_LAUNCH((skinny_gemm_kernel<TB, F, true>), grid, block, 0, s, x, ldx, w, ldw, bias, out, T, K, N);
   MOELAB_GPU_LAUNCHED();
+  return kOk;
+}
+
+// Unaligned rows (a sliced x, K % 8 != 0): scalar loads, one launch per token (TB = 1). Same
+// chunking and order as the vector path, so the same bits; only slower.
+template <Fmt F>
+int launch_scalar(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias, void* out, int64_t T,
+                  int64_t K, int64_t N, Stream s) {
+  constexpr int64_t es = F == Fmt::kF32 ? 4 : 2;
+  const dim3 grid(unsigned((N + kRows - 1) / kRows)), block(kGemvThreads);
+  for (int64_t t = 0; t < T; ++t) {
+    MOELAB_LAUNCH((skinny_gemm_kernel<1, F, false>), grid, block, 0, s, static_cast<const char*>(x) + t * ldx * es,
+                  ldx, w, ldw, bias, static_cast<char*>(out) + t * N * es, int64_t(1), K, N);
+    MOELAB_GPU_LAUNCHED();
+  }
   return kOk;
 }
 
@@ -55,6 +70,7 @@ int launch_fmt(const void* x, int64_t ldx, const void* w, int64_t ldw, const voi
   const uint64_t m = reinterpret_cast<uintptr_t>(x) | reinterpret_cast<uintptr_t>(w) | uint64_t(ldx * es) |
                      uint64_t(ldw * es);
   const bool vec = (m & 15u) == 0;
+  if (!vec) return launch_scalar<F>(x, ldx, w, ldw, bias, out, T, K, N, s);
   if (T <= 1) return launch_tb<1, F>(x, ldx, w, ldw, bias, out, T, K, N, vec, s);
   if (T <= 2) return launch_tb<2, F>(x, ldx, w, ldw, bias, out, T, K, N, vec, s);
   if (T <= 4) return launch_tb<4, F>(x, ldx, w, ldw, bias, out, T, K, N, vec, s);
