@@ -6,6 +6,9 @@
 // after the CPU one and adds the CUDA implementations (dispatch key CUDA, which is also the
 // key of ROCm tensors).
 #pragma once
+#include <cstdlib>
+#include <string>
+
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -25,6 +28,16 @@ inline gpu::Stream current_stream() { return c10::cuda::getCurrentCUDAStream().s
 // so the device-side index checks are left in the status words (see permute/unpermute).
 inline bool capturing() {
   return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+}
+
+// Whether to read the device-side index checks back (a small synchronous copy per call):
+// yes unless MOELAB_GPU_SYNC_CHECKS=0 (benchmarks of the eager host path set it; read once).
+inline bool sync_checks() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOELAB_GPU_SYNC_CHECKS");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return on && !capturing();
 }
 
 // Rank, dtype, device (the same GPU as `like`, when given) and optionally contiguity.

@@ -11,8 +11,9 @@
 // Index errors (ids, expert_map, dst_pos out of range) are detected by the kernels, which
 // never write outside the outputs, and written to a status word. Unless the stream is being
 // captured into a CUDA graph, the binding reads the word back (one small synchronous copy)
-// and raises the same RuntimeError as the CPU binding; during capture the check is left to
-// the caller (verify runs eagerly, so it sees every error).
+// and raises the same RuntimeError as the CPU binding; during capture (or with
+// MOELAB_GPU_SYNC_CHECKS=0, for timing the eager host path) the check is left to the caller
+// (verify runs eagerly with checks on, so it sees every error).
 #include <climits>
 
 #include "common.h"
@@ -112,7 +113,7 @@ void run(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
   a.workspace = static_cast<int32_t*>(ws.data_ptr());
   a.workspace_words = ws.nbytes() / 4;
   check_launch(gpu::permute_launch(a, current_stream()), kPermute);
-  if (capturing()) return;
+  if (!sync_checks()) return;
   const at::Tensor st = ws.view({-1}).view(at::kInt).narrow(0, 0, gpu::kPermuteStatusWords).to(at::kCPU);
   const int32_t* w = st.data_ptr<int32_t>();
   const int64_t bad = int64_t(uint64_t(uint32_t(w[2])) | (uint64_t(uint32_t(w[3])) << 32));
@@ -170,7 +171,7 @@ at::Tensor unpermute_cuda(const at::Tensor& expert_out, const at::Tensor& weight
   const c10::cuda::CUDAGuard guard(expert_out.device());
   at::Tensor out = at::empty({T, H}, expert_out.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0 || H == 0) return out;
-  const bool check = !capturing();
+  const bool check = sync_checks();
   at::Tensor status = check ? at::zeros({1}, expert_out.options().dtype(at::kInt)) : at::Tensor();
   gpu::UnpermuteArgs a;
   a.expert_out = expert_out.data_ptr();
