@@ -13,7 +13,9 @@
 #include <cstdint>
 
 #include "platform.h"
-#if MOELAB_HIP
+#if defined(MOELAB_EMU)
+#include "emu/emu.h"
+#elif MOELAB_HIP
 #include <hip/hip_runtime_api.h>
 #else
 #include <cuda_runtime_api.h>

@@ -388,7 +388,7 @@ int permute_launch(const PermuteArgs& a, Stream s) {
     MOELAB_GPU_LAUNCHED();
   }
   if (a.row_bytes == 0 || a.capacity == 0) return kOk;
-  if (a.hidden == nullptr || a.hidden_out == nullptr) return kBadArgument;
+  if ((a.T > 0 && a.hidden == nullptr) || a.hidden_out == nullptr) return kBadArgument;   // T = 0: padding only
   switch (copy_unit(a)) {
     case 16: return launch_rows<vec16>(a, s);
     case 8: return launch_rows<uint2>(a, s);

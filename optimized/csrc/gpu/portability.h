@@ -22,7 +22,9 @@
 #include <cstdint>
 
 #include "platform.h"
-#if MOELAB_HIP
+#if defined(MOELAB_EMU)
+#include "emu/emu.h"
+#elif MOELAB_HIP
 #include <hip/hip_runtime.h>
 #include <hip/hip_fp16.h>
 #else
@@ -231,7 +233,13 @@ MOELAB_DEV float add_rn(float a, float b) {
 
 // Kernel launch, written once for both compilers (and for the CPU emulator that tests run:
 // csrc/gpu/emu/, where a launch runs the threads as fibers).
+#ifndef MOELAB_LAUNCH
 #define MOELAB_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+// Dynamically sized shared memory (the launch's smem bytes).
+#ifndef MOELAB_EXTERN_SHARED
+#define MOELAB_EXTERN_SHARED(T, name) extern __shared__ T name[]
+#endif
 
 // Launch check inside a launcher: returns the runtime's error code (> 0) from the function.
 #if MOELAB_HIP

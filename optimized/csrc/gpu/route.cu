@@ -479,8 +479,8 @@ int route_launch(const RouteArgs& a, Stream stream) {
        a.E / a.n_group < 2 || a.topk_group < 1 || a.topk_group > a.n_group ||
        a.K > a.topk_group * (a.E / a.n_group)))
     return kBadArgument;
-  if (a.logits == nullptr || a.weights == nullptr || a.ids == nullptr || a.ld < a.E) return kBadArgument;
   if (a.T == 0) return kOk;
+  if (a.logits == nullptr || a.weights == nullptr || a.ids == nullptr || a.ld < a.E) return kBadArgument;
   if (a.T > 0x7fffffffLL) return kUnsupported;
   RoutePlan p;
   if (route_plan(a.E, a.K, &p) != kOk) return kUnsupported;

@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads)
 skinny_wave64_kernel(const uint16_t* __restrict__ x, int64_t ldx, const uint16_t* __restrict__ w, int64_t ldw,
                      const uint16_t* __restrict__ bias, uint16_t* __restrict__ out, int T, int64_t K, int64_t N,
                      bool vec_x, bool vec) {
-  extern __shared__ uint16_t xs[];            // [T][K] bf16/f16, rows K elements apart
+  MOELAB_EXTERN_SHARED(uint16_t, xs);         // [T][K] bf16/f16, rows K elements apart
   // 1. Stage x in LDS (16-byte copies when rows and K allow, else 2-byte).
   if (vec_x) {
     const int64_t per_row = K / 8;
