@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
+
 _batch_invariant = False
 
 
@@ -64,7 +66,103 @@ def router_gemm_decision(x, weight) -> Decision:
     return Decision("router_gemm", "library", f"T = {T} > {ROUTER_GEMM_MAX_T}: F.linear(x.float(), w)")
 
 
-_EXPLAINERS = {"router_gemm": router_gemm_decision}
+# ---------------------------------------------------------------------------- route
+# One CPU kernel for every method and size (csrc/cpu/route_kernel.h), no library path, so
+# route is batch invariant in every mode. The only policy is threading: a parallel task gets
+# at least ROUTE_GRAIN_ELEMS // E tokens (>= 1), i.e. ~16K expert keys, ~8 us of work at
+# ~0.5 ns per key, so the thread pool's fork/join (a few us here, and far more when the 2
+# cores are shared with other processes, as the bench machine often is) is amortized;
+# smaller batches (decode, T <= 64 at E = 256, T <= 18 at E = 896) run on the calling
+# thread. Measured: experiments/cases_route.py. Kept in sync with grain_tokens() in
+# csrc/torch/route.cpp.
+ROUTE_GRAIN_ELEMS = 16384
+
+
+def _has_kernel(op: str, device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+def route_decision(logits, top_k, method, **kwargs) -> Decision:
+    dev = logits.device.type
+    if dev != "cpu":
+        if _has_kernel("moelab::route", dev):
+            return Decision("route", "moelab", f"the registered {dev} kernel of moelab::route")
+        return Decision("route", "reference", f"no moelab route kernel for device {dev}")
+    T, E = logits.shape
+    grain = max(1, ROUTE_GRAIN_ELEMS // max(E, 1))
+    tasks = "1 task (calling thread)" if T < grain else f"tasks of >= {grain} tokens"
+    return Decision("route", "moelab", f"{method}, T = {T}, E = {E}, K = {top_k}: {tasks}")
+
+
+def route_fallback(logits, top_k, method, **kwargs):
+    """route off the CPU: the device's moelab::route kernel if one is registered (meta: shapes
+    only), else the reference (same results, reference speed)."""
+    if _has_kernel("moelab::route", logits.device.type):
+        return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
+                                              float(kwargs.get("scaling", 1.0)),
+                                              kwargs.get("renormalize", False),
+                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1))
+    from reference.route import route as reference_route
+    return reference_route(logits, top_k, method, **kwargs)
+
+
+
+# ---------------------------------------------------------- permute / unpermute
+# One kernel each, no crossover: the counting sort + row copies (and the no-FMA gather back)
+# win at every T on the CPU (experiments/cases_permute.py). Other devices have no moelab
+# kernel yet and run the reference. Both kernels are exact, hence batch invariant.
+_PERMUTE_CPU = Decision("permute", "moelab", "counting sort + parallel row copies (exact)")
+_UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascending, no FMA (exact)")
+
+
+def permute_decision(hidden, ids, n_experts, **_) -> Decision:
+    if not hidden.is_cpu:
+        return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
+    return _PERMUTE_CPU
+
+
+def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
+    if not expert_out.is_cpu:
+        return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
+    return _UNPERMUTE_CPU
+
+
+
+# ----------------------------------------------------------- unquantized_gemm (skinny vs library)
+# skinny_gemm streams the weight once for all T <= 8 tokens (memory-bound, like router_gemm);
+# F.linear (oneDNN/MKL) is tuned for large T. SKINNY_MAX_T is the contract's limit of the
+# kernel; SKINNY_DTYPES are the dtypes it takes. Measured crossover: see SKINNY_MEASURED.
+SKINNY_MAX_T = 8
+SKINNY_MIN_T = 1
+SKINNY_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
+SKINNY_MEASURED = "provisional"
+
+
+def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
+    op = "unquantized_gemm"
+    T = x.shape[0]
+    if x.device.type != "cpu":
+        return Decision(op, "library", f"no moelab kernel for device {x.device.type}: F.linear")
+    if str(x.dtype) not in SKINNY_DTYPES:
+        return Decision(op, "library", f"skinny_gemm does not take {x.dtype}: F.linear")
+    if T <= SKINNY_MAX_T:
+        if _batch_invariant:
+            return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}, batch-invariant mode: skinny_gemm "
+                                          f"(fixed reduction order per output)")
+        return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}: skinny_gemm streams the weight once "
+                                      f"({SKINNY_MEASURED})")
+    if _batch_invariant:
+        return Decision(op, "skinny_chunked", f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
+                                              f"over chunks of {SKINNY_MAX_T} rows (invariant; reads the weight "
+                                              f"{-(-T // SKINNY_MAX_T)} times)")
+    return Decision(op, "library", f"T = {T} > {SKINNY_MAX_T}: F.linear (library GEMM; NOT batch invariant, "
+                                   f"its blocking may change with T)")
+
+
+_EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision,
+               "permute": permute_decision, "unpermute": unpermute_decision,
+               "unquantized_gemm": unquantized_gemm_decision}
 
 
 def explain(op: str, *args, **kwargs) -> Decision:

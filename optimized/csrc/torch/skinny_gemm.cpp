@@ -1,0 +1,75 @@
+// moelab::skinny_gemm(x[T,K], weight[N,K], bias[N]?) -> [T,N], T <= 8 (SPEC section 4).
+//
+// The checks below are the C++ floor (the Python wrapper validates first with
+// reference.validate.check_skinny_gemm): everything the kernel relies on to stay inside the
+// tensors. Rows of x and weight may be strided (any row stride torch allows); along K both
+// need unit stride (or K == 1). T > 8 is refused here too, so a direct call cannot exceed
+// the contract.
+#include "../cpu/skinny_gemm.h"
+#include "common.h"
+
+namespace moelab {
+namespace {
+
+constexpr const char* kOp = "skinny_gemm";
+constexpr int64_t kMaxT = 8;
+constexpr int64_t kRowsPerBlock = 4;         // the kernel's row tile
+constexpr int64_t kMinBytesPerTask = 64 << 10;  // below this one thread does it all
+
+Fmt fmt_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return Fmt::kBF16;
+    case at::kHalf: return Fmt::kF16;
+    default: return Fmt::kF32;
+  }
+}
+
+at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
+                           const std::optional<at::Tensor>& bias) {
+  check_cpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  const int64_t T = x.size(0), K = x.size(1);
+  MOELAB_CHECK(T <= kMaxT, kOp, "x", "must have T <= ", kMaxT, " rows, got T = ", T);
+  MOELAB_CHECK(K >= 1, kOp, "x", "must have K >= 1 columns");
+  MOELAB_CHECK(T == 0 || K == 1 || x.stride(1) == 1, kOp, "x", "must have unit stride along K, got strides ",
+               x.strides());
+  check_cpu(weight, kOp, "weight", 2, {x.scalar_type()}, /*contiguous=*/false);
+  const int64_t N = weight.size(0);
+  MOELAB_CHECK(weight.size(1) == K, kOp, "weight", "must have shape (N, ", K, "), got ", weight.sizes());
+  MOELAB_CHECK(N >= 1, kOp, "weight", "must have N >= 1 rows");
+  MOELAB_CHECK(K == 1 || weight.stride(1) == 1, kOp, "weight", "must have unit stride along K, got strides ",
+               weight.strides());
+  at::Tensor b;
+  if (bias.has_value()) {
+    b = *bias;
+    check_cpu(b, kOp, "bias", 1, {x.scalar_type()});
+    MOELAB_CHECK(b.size(0) == N, kOp, "bias", "must have shape (", N, "), got ", b.sizes());
+  }
+  at::Tensor out = at::empty({T, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
+  if (T == 0) return out;
+  auto* fn = MOELAB_PICK(skinny_gemm_rows);
+  const void* xp = x.data_ptr();
+  const void* wp = weight.data_ptr();
+  const void* bp = b.defined() ? b.data_ptr() : nullptr;
+  void* op = out.data_ptr();
+  const int64_t ldx = x.stride(0), ldw = weight.stride(0);
+  const Fmt fmt = fmt_of(x);
+  // Work unit: a block of 4 output features (the kernel's row tile); a thread streams its
+  // own weight rows. Small weights run on one thread (a fork costs more than it saves).
+  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t block_bytes = kRowsPerBlock * K * static_cast<int64_t>(x.element_size());
+  const int64_t grain = std::max<int64_t>(1, (kMinBytesPerTask + block_bytes - 1) / block_bytes);
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
+    fn(xp, ldx, wp, ldw, bp, op, N, fmt, T, K, b0 * kRowsPerBlock, std::min(N, b1 * kRowsPerBlock));
+  });
+  return out;
+}
+
+const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512Bf16);
+
+}  // namespace
+}  // namespace moelab
+
+TORCH_LIBRARY_FRAGMENT(moelab, m) {
+  m.def("skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(moelab, CPU, m) { m.impl("skinny_gemm", &moelab::skinny_gemm_cpu); }
