@@ -148,7 +148,7 @@ def bench_route(bw, lf, quick):
         floor = max(lf, (T * E * 4 + T * K * 8) / bw * 1e6)
         case = f"E={E} K={K} T={T} sigmoid_bias"
         add("route", case, f"moelab [{gpu.route_plan(E, K).split(':')[0]}]",
-            graph_time(lambda: OPS.route(logits, K, "sigmoid_bias", bias, 1, 1, 2.5, False)), floor)
+            graph_time(lambda: OPS.route(logits, K, "sigmoid_bias", bias, 2.5)), floor)
         add("route", case, "before: eager torch.topk", graph_time(lambda: eager_route_sigmoid_bias(logits, bias, K, 2.5)),
             floor, "seed 004 compares against TRT-LLM's previous kernel; torch.topk is the eager way")
 

@@ -85,6 +85,8 @@ def _has_kernel(op: str, device_type: str) -> bool:
 
 def route_decision(logits, top_k, method, **kwargs) -> Decision:
     dev = logits.device.type
+    if dev == "cuda":
+        return gpu_decision("route", logits, top_k, method, **kwargs)
     if dev != "cpu":
         if _has_kernel("moelab::route", dev):
             return Decision("route", "moelab", f"the registered {dev} kernel of moelab::route")
@@ -117,12 +119,16 @@ _UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascendi
 
 
 def permute_decision(hidden, ids, n_experts, **_) -> Decision:
+    if hidden.device.type == "cuda":
+        return gpu_decision("permute", hidden, ids, n_experts)
     if not hidden.is_cpu:
         return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
     return _PERMUTE_CPU
 
 
 def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
+    if expert_out.device.type == "cuda":
+        return gpu_decision("unpermute", expert_out, weights, dst_pos)
     if not expert_out.is_cpu:
         return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
     return _UNPERMUTE_CPU
@@ -142,6 +148,8 @@ SKINNY_MEASURED = "provisional"
 def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
     op = "unquantized_gemm"
     T = x.shape[0]
+    if x.device.type == "cuda":
+        return gpu_decision(op, x, weight, bias)
     if x.device.type != "cpu":
         return Decision(op, "library", f"no moelab kernel for device {x.device.type}: F.linear")
     if str(x.dtype) not in SKINNY_DTYPES:
@@ -175,9 +183,10 @@ def explain(op: str, *args, **kwargs) -> Decision:
 
 
 # ------------------------------------------------------------------ GPU (CUDA and ROCm)
-# What each op does with tensors on a CUDA or ROCm device. The moelab GPU kernels
-# (csrc/gpu, csrc/hip) are used when the moelab_gpu extension is loaded (a CUDA/ROCm torch
-# with nvcc/hipcc); otherwise the op's own fallback runs. Crossovers marked "provisional"
+# What each op does with tensors on a CUDA or ROCm device (torch calls both "cuda"); each
+# op's decision function above delegates here. The moelab GPU kernels (csrc/gpu, csrc/hip)
+# are used when the moelab_gpu extension is loaded (a CUDA/ROCm torch with nvcc/hipcc);
+# otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). Crossovers marked "provisional"
 # have not been measured on a GPU yet: scripts/gpu_check.sh measures them (experiments/
 # results/) and these numbers are to be replaced by the measured ones.
 GPU_ROUTER_GEMM_MAX_T = 32     # the fused-cast kernel's templated token counts (1..32)
@@ -234,7 +243,7 @@ def _gpu_unquantized_gemm(x, weight, bias=None) -> Decision:
 
 def _gpu_route(logits, top_k, method=None, **kwargs) -> Decision:
     op = "route"
-    if not _gpu_loaded():
+    if not _gpu_loaded():   # route_fallback then runs the reference
         return Decision(op, "reference", "moelab GPU extension not built: the reference implementation")
     from . import gpu
     return Decision(op, "moelab", f"GPU kernel, E = {logits.shape[1]}, K = {top_k}: "

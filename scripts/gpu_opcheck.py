@@ -99,15 +99,16 @@ def check_route():
         for ties in (False, True):
             x, bias, kw = route_case(E, K, method, ng, tg, dtype, ties=ties)
             case = f"E={E} K={K} {method} {str(dtype)[6:]}{' ties' if ties else ''} [{gpu.route_plan(E, K)[:40]}]"
-            args_gpu = (x.to(DEV), K, method, None if bias is None else bias.to(DEV), kw["n_group"],
-                        kw["topk_group"], kw["scaling"], kw["renormalize"])
+            # schema order: logits, top_k, method, bias, scaling, renormalize, n_group, topk_group
+            args_gpu = (x.to(DEV), K, method, None if bias is None else bias.to(DEV), kw["scaling"],
+                        kw["renormalize"], kw["n_group"], kw["topk_group"])
             if not ties:
                 opcheck("route", case, args_gpu)
 
             def fn(x=x, bias=bias, kw=kw, args_gpu=args_gpu, K=K, method=method):
                 wg, ig = OPS.route(*args_gpu)
-                wc, ic = OPS.route(x, K, method, bias, kw["n_group"], kw["topk_group"], kw["scaling"],
-                                   kw["renormalize"])
+                wc, ic = OPS.route(x, K, method, bias, kw["scaling"], kw["renormalize"], kw["n_group"],
+                                   kw["topk_group"])
                 wr, ir = reference.route(x, K, method, bias=bias, **kw)
                 same_cpu = torch.equal(ig.cpu(), ic)
                 same_ref = torch.equal(ig.cpu(), ir)

@@ -18,9 +18,10 @@ int method_code(const std::string& m) {
   return -1;
 }
 
+// Argument order of the schema (csrc/torch/route.cpp): bias, scaling, renormalize, n_group, topk_group.
 std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t top_k, const std::string& method,
-                                              const std::optional<at::Tensor>& bias, int64_t n_group,
-                                              int64_t topk_group, double scaling, bool renormalize) {
+                                              const std::optional<at::Tensor>& bias, double scaling, bool renormalize,
+                                              int64_t n_group, int64_t topk_group) {
   check_gpu(logits, kOp, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
   const int64_t T = logits.size(0), E = logits.size(1);
   MOELAB_CHECK(E >= 1 && E <= gpu::kRouteMaxExperts, kOp, "logits", "must have 1 <= E <= ", gpu::kRouteMaxExperts,
