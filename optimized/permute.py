@@ -28,7 +28,7 @@ from reference import validate
 from reference.permute import Permuted
 from reference.validate import capacity
 
-from . import dispatch
+from . import dispatch, gpu
 
 __all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
 
@@ -43,8 +43,10 @@ class PermuteScratch(_ref.PermuteScratch):
 
     Same constructor, attributes and fit rule (validate.check_scratch_fits) as
     reference.permute.PermuteScratch. Extra buffer: counts [n_local_experts] int64, the
-    histogram / cursors of the counting sort. Buffer contents between calls are
-    unspecified; the views a call returns stay valid until the next call with this scratch.
+    histogram / cursors of the counting sort (on a GPU: the GPU sort's workspace, one
+    histogram per unit of rows, optimized.gpu.permute_counts_numel elements). Buffer contents
+    between calls are unspecified; the views a call returns stay valid until the next call
+    with this scratch.
     """
 
     def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,
@@ -52,7 +54,10 @@ class PermuteScratch(_ref.PermuteScratch):
                  align: int = 1) -> None:
         super().__init__(max_tokens, top_k, n_experts, hidden_size, dtype, device,
                          n_local_experts=n_local_experts, align=align)
-        self.counts = torch.empty(self.n_local_experts, dtype=torch.int64, device=self.device)
+        n = self.n_local_experts
+        if self.device.type == "cuda" and gpu.available():
+            n = gpu.permute_counts_numel(self.max_tokens * self.top_k, self.n_local_experts)
+        self.counts = torch.empty(n, dtype=torch.int64, device=self.device)
         self._views: dict[int, tuple[Permuted, tuple]] = {}
 
     def views(self, T: int) -> tuple[Permuted, tuple]:
