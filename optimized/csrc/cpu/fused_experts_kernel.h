@@ -1,0 +1,429 @@
+// fused_experts: the two GEMM passes and the activation of the expert MLPs (SPEC 5).
+// Design, layout and costs: docs/fused_experts.md. In short:
+//
+// A work item is (expert e, tile of 64 output columns) of one GEMM pass; its rows are the
+// expert's block p in [offsets[e], offsets[e+1]) (m rows, grouped by permute_plan). Two
+// micro-kernels, chosen per block by the policy the binding passes (FePolicy):
+//   tiny:    per chunk of <= 4 rows, decode the tile's 4 weight vectors (16 columns x 2 k
+//            each) in registers for every k pair and feed them to the rows (16 f32
+//            accumulators); a larger block decodes the tile again per chunk.
+//   blocked: decode the tile once into a per-thread bf16 VNNI buffer (tagged with
+//            (weights, expert, first group, groups) and checked before reuse), then a
+//            6-row x 4-vector register block (24 accumulators) streams it for every 6 rows.
+// Both decode through the same functions (so the same bf16 weight bits) and run the same dp
+// sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
+// blocked and every policy give bit-identical results at one ISA level, for any batch and
+// any thread count: the kernel is batch invariant.
+//
+// Decoders (fast paths at avx512 levels; the exact scalar decoder at avx2/scalar and for
+// tiles flagged by fe::tile_needs_slow):
+//   fp8:   bytes -> sign-extended words -> (w << 7) & 0xbf80 = f16 bits of e4m3 * 2^-8 ->
+//          vcvtph2ps -> * (scale * 256) in f32 (= f32(q) * scale, rounded once) -> bf16 RNE
+//          (vcvtne2ps2bf16 at avx512_bf16, integer RNE at avx512).
+//   mxfp4: one 32-byte chunk -> vpmovzxbw -> low / high nibbles -> vpermw table of e2m1 bf16
+//          patterns -> add (s - 127) << 7 to the exponent of nonzero codes (exact for s in
+//          [2, 252], the fast-path condition).
+//   exact: bf16_rne(f32(e4m3(q)) * scale) / bf16_rne(e2m1(c) * 2^(s-127)) per element
+//          (formats.h); an odd K's padding k is exactly 0.
+//
+// Floors (per call, 2 threads; ~30-55 GB/s, ~420 GFLOP/s bf16 through torch):
+//   bytes >= the routed experts' quantized weights (+ scales): Qwen3-30B-A3B fp8 T=1:
+//   8 experts x 4.72 MB = 37.7 MB -> 1.26 ms at 30 GB/s; GPT-OSS-20B mxfp4 T=1: 4 x 13.2 MB
+//   = 52.9 MB -> 1.76 ms. flops = 2 * rows * 3 * H * I: Qwen3 T=512 (4096 rows) 38.7 GFLOP
+//   -> 92 ms at 420 GFLOP/s; GPT-OSS T=512 (2048 rows) 102 GFLOP -> 243 ms.
+#include "fused_experts.h"  // declarations, FeGemm and the packed layout, before the ISA pragma
+
+#include "isa_begin.h"
+#include "fused_experts_simd.h"
+
+namespace moelab::cpu::MOELAB_ISA_NS {
+namespace {
+
+using namespace fe_simd;
+using fe::group_bytes;
+using fe::k2;
+
+constexpr int kTinyRows = 4;
+constexpr int kBlockedRows = 6;
+constexpr int64_t kWholeK = int64_t(1) << 60;
+
+// ----------------------------------------------------------------------------- decoders
+// A decoder yields, for group g (of the NG it covers) and pair kk, kStep weight vectors
+// (pairs kk .. kk+kStep-1). begin_block(b) is called before the pairs of scale block b
+// (kBlockPairs pairs each).
+
+// bf16 in VNNI order already (bf16 weights, or the blocked path's dequantized buffer).
+struct LoadDec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = kWholeK;
+  const uint16_t* base;
+  int64_t gstride;   // elements between groups
+  void begin_block(int64_t) {}
+  void get(int g, int64_t kk, W32* w) const { w[0] = w_load(base + g * gstride + kk * 32); }
+};
+
+// The exact element-by-element decoder (formats.h). q: fe::kFP8 or fe::kMXFP4.
+struct ExactDec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = kWholeK;
+  int q;
+  const uint8_t* w;          // tile's first group
+  int64_t gb;                // bytes per group
+  int64_t K;
+  const float* srow;         // fp8: the tile's row of 128-blocks of scales
+  const uint8_t* ms;         // mxfp4: the tile's packed scales (first group)
+  int64_t sgb;               // mxfp4: scale bytes per group
+  void begin_block(int64_t) {}
+  void get(int g, int64_t kk, W32* out) const {
+    alignas(64) uint16_t v[32];
+    if (q == fe::kFP8) {
+      const uint8_t* p = w + g * gb + kk * 32;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t k = 2 * kk + (i & 1);
+        v[i] = k < K ? f32_to_bf16(e4m3_to_f32(p[i]) * srow[k / fe::kFp8Block]) : uint16_t(0);
+      }
+    } else {
+      const uint8_t* p = w + g * gb + (kk / 2) * 32;
+      const int half = int(kk & 1);
+      const uint8_t* s = ms + g * sgb;
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t code = half ? uint8_t(p[i] >> 4) : uint8_t(p[i] & 0x0f);
+        const int64_t k = 2 * kk + (i & 1);
+        const uint8_t sc = s[(k / fe::kMxBlock) * fe::kGroupN + (i >> 1)];
+        v[i] = f32_to_bf16(e2m1_to_f32(code) * e8m0_to_f32(sc));
+      }
+    }
+    out[0] = w_load(v);
+  }
+};
+
+#if MOELAB_ISA_LEVEL >= 2
+inline __m512i narrow_pair(__m512 lo, __m512 hi) {
+#if MOELAB_ISA_LEVEL == 3
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(narrow_bf16(vf{lo})), narrow_bf16(vf{hi}), 1);
+#endif
+}
+
+// fp8 fast path. The tile's 64 columns lie in one 128-row scale block, so one scale per
+// 128-k block serves all groups.
+struct Fp8Dec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  const uint8_t* w;
+  int64_t gb;
+  const float* srow;
+  __m512 sv;
+  void begin_block(int64_t b) { sv = _mm512_set1_ps(srow[b] * 256.0f); }
+  void get(int g, int64_t kk, W32* out) const {
+    __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + kk * 32)));
+    __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(int16_t(0xbf80)));
+    __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sv);
+    __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sv);
+    out[0].v = narrow_pair(lo, hi);
+  }
+};
+
+// mxfp4 fast path: one 32-byte chunk holds pairs kk (low nibbles) and kk+1 (high nibbles).
+template <int NG>
+struct Mx4Dec {
+  static constexpr int kStep = 2;
+  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  const uint8_t* w;
+  int64_t gb;
+  const uint8_t* ms;
+  int64_t sgb;
+  __m512i lut;
+  __m512i ev[NG];   // per column: (s - 127) << 7 in both 16-bit halves of its dword
+  void init() {
+    lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                           int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000),
+                           int16_t(0xBFC0), int16_t(0xBF80), int16_t(0xBF00), int16_t(0x8000),
+                           0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000);
+  }
+  void begin_block(int64_t b) {
+    for (int g = 0; g < NG; ++g) {
+      __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ms + g * sgb + b * fe::kGroupN)));
+      __m512i e = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(127)), 7),
+                                   _mm512_set1_epi32(0xffff));
+      ev[g] = _mm512_or_si512(e, _mm512_slli_epi32(e, 16));
+    }
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + (kk / 2) * 32)));
+    __m512i c0 = _mm512_and_si512(b, _mm512_set1_epi16(0x0f));
+    __m512i c1 = _mm512_srli_epi16(b, 4);
+    __m512i v0 = _mm512_permutexvar_epi16(c0, lut);
+    __m512i v1 = _mm512_permutexvar_epi16(c1, lut);
+    const __m512i seven = _mm512_set1_epi16(7);
+    out[0].v = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(c0, seven), v0, ev[g]);
+    out[1].v = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(c1, seven), v1, ev[g]);
+  }
+};
+#endif
+
+// ------------------------------------------------------------------------ the K loop
+// acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
+template <int R, int NG, class Dec>
+inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG]) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
+    dec.begin_block(b);
+    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      W32 w[NG][Dec::kStep];
+      for (int g = 0; g < NG; ++g) dec.get(g, kk, w[g]);
+      for (int s = 0; s < Dec::kStep; ++s) {
+        for (int r = 0; r < R; ++r) {
+          const XP x = x_pair(a + r * lda + 2 * (kk + s));
+          for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g][s]);
+        }
+      }
+    }
+  }
+}
+
+// Decode the NG groups into buf ([NG][K2][32] bf16), the layout LoadDec reads.
+template <int NG, class Dec>
+inline void dequant(Dec& dec, int64_t K2, uint16_t* buf) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
+    dec.begin_block(b);
+    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      for (int g = 0; g < NG; ++g) {
+        W32 w[Dec::kStep];
+        dec.get(g, kk, w);
+        for (int s = 0; s < Dec::kStep; ++s) w_store(buf + (g * K2 + kk + s) * 32, w[s]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------- epilogue
+struct Out {
+  const FeGemm* g;
+  int64_t e;
+  int64_t n_first;   // first column of group 0
+};
+
+// Rows [p, p + R) of the output, groups 0..NG-1: + bias (f32), then bf16 RNE or f32.
+template <int R, int NG>
+inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
+  const FeGemm& g = *o.g;
+  for (int r = 0; r < R; ++r) {
+    for (int gi = 0; gi < NG; ++gi) {
+      const int64_t n0 = o.n_first + gi * fe::kGroupN;
+      const int nc = int(imin_(fe::kGroupN, g.N - n0));
+      if (nc <= 0) continue;
+      alignas(64) float t[16];
+      acc_store(t, acc[r][gi]);
+      for (int c = 0; c < nc; c += kVecF) {
+        const int n = int(imin_(kVecF, nc - c));
+        vf v = vload(t + c, n);
+        if (g.bias) {
+          const int64_t bi = o.e * g.N + n0 + c;
+          v = vadd(v, g.bias_bf16 ? vload_bf16(static_cast<const uint16_t*>(g.bias) + bi, n)
+                                  : vload(static_cast<const float*>(g.bias) + bi, n));
+        }
+        if (g.out_bf16) vstore_bf16(static_cast<uint16_t*>(g.out) + (p + r) * g.ldo + n0 + c, v, n);
+        else vstore(static_cast<float*>(g.out) + (p + r) * g.ldo + n0 + c, v, n);
+      }
+    }
+  }
+}
+
+template <int R, int NG, class Dec>
+inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p) {
+  Acc acc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  run_rows<R, NG>(dec, a, lda, K2, acc);
+  store_rows<R, NG>(o, p, acc);
+}
+
+// All m rows of a block, in chunks of up to 4 (tiny) or 6 (blocked) rows. The decoder is
+// copied per chunk (its block state restarts at k = 0).
+template <int NG, int MaxR, class Dec>
+inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                     int64_t p0, int64_t m) {
+  int64_t r0 = 0;
+  for (; r0 + MaxR <= m; r0 += MaxR) rows_chunk<MaxR, NG>(dec, a + r0 * lda, lda, K2, o, p0 + r0);
+  const int64_t rest = m - r0;
+  const uint16_t* ar = a + r0 * lda;
+  switch (rest) {
+    case 1: rows_chunk<1, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    case 2: rows_chunk<2, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    case 3: rows_chunk<3, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    case 4: if constexpr (MaxR > 4) rows_chunk<4, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    case 5: if constexpr (MaxR > 5) rows_chunk<5, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    default: break;
+  }
+}
+
+// ------------------------------------------------------------------------ work items
+// What the blocked path's buffer holds: (weights, expert, first group, groups, decoder).
+struct TileTag {
+  const void* w = nullptr;
+  int64_t e = -1, g_first = -1, ng = 0;
+  bool slow = false;
+  bool valid = false;
+  bool holds(const void* w_, int64_t e_, int64_t g_, int64_t ng_, bool s_) const {
+    return valid && w == w_ && e == e_ && g_first == g_ && ng == ng_ && slow == s_;
+  }
+};
+
+struct Item {
+  const FeGemm* g;
+  int64_t e, tile, p0, m;
+  const uint8_t* tw;    // the tile's packed groups
+  const float* srow;    // fp8: the tile's scale row
+  const uint8_t* tms;   // mxfp4: the tile's packed scales
+  bool slow, blocked;
+  uint16_t* buf;        // the dequantized tile buffer
+  TileTag* tag;
+};
+
+// Groups [gbase, gbase + NG) of an item.
+template <int NG>
+void item_groups(const Item& it, int gbase) {
+  const FeGemm& g = *it.g;
+  const int64_t K = g.K, K2 = k2(K), gb = group_bytes(g.quant, K);
+  const int64_t sgb = fe::mx_scale_group_bytes(K);
+  const uint16_t* a = g.a + it.p0 * g.lda;
+  const Out o{&g, it.e, (it.tile * fe::kTileGroups + gbase) * fe::kGroupN};
+  const uint8_t* w = it.tw + gbase * gb;
+
+  if (g.quant == fe::kBF16) {   // the packed weights are already the bf16 VNNI tile
+    const LoadDec dec{reinterpret_cast<const uint16_t*>(w), K2 * 32};
+    if (it.blocked) all_rows<NG, kBlockedRows>(dec, a, g.lda, K2, o, it.p0, it.m);
+    else all_rows<NG, kTinyRows>(dec, a, g.lda, K2, o, it.p0, it.m);
+    return;
+  }
+  const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
+  const bool use_exact = it.slow || MOELAB_ISA_LEVEL < 2;
+
+  if (it.blocked) {
+    const int64_t g_first = it.tile * fe::kTileGroups + gbase;
+    if (!it.tag->holds(g.w, it.e, g_first, NG, it.slow)) {
+      it.tag->valid = false;
+      if (use_exact) {
+        ExactDec d = exact;
+        dequant<NG>(d, K2, it.buf);
+      }
+#if MOELAB_ISA_LEVEL >= 2
+      else if (g.quant == fe::kFP8) {
+        Fp8Dec d{w, gb, it.srow, _mm512_setzero_ps()};
+        dequant<NG>(d, K2, it.buf);
+      } else {
+        Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+        d.init();
+        dequant<NG>(d, K2, it.buf);
+      }
+#endif
+      *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
+    }
+    all_rows<NG, kBlockedRows>(LoadDec{it.buf, K2 * 32}, a, g.lda, K2, o, it.p0, it.m);
+    return;
+  }
+  if (use_exact) {
+    all_rows<NG, kTinyRows>(exact, a, g.lda, K2, o, it.p0, it.m);
+    return;
+  }
+#if MOELAB_ISA_LEVEL >= 2
+  if (g.quant == fe::kFP8) {
+    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, _mm512_setzero_ps()}, a, g.lda, K2, o, it.p0, it.m);
+  } else {
+    Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+    d.init();
+    all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m);
+  }
+#endif
+}
+
+}  // namespace
+
+void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratch) {
+  const int q = g.quant;
+  const int64_t N = g.N, K = g.K, N16 = fe::n16(N), ntiles = fe::n_tiles(N);
+  const int64_t gb = group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
+  const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
+  uint16_t* buf = reinterpret_cast<uint16_t*>(scratch + 64);
+  uint8_t* ptile = scratch + 64 + fe::scratch_dequant_bytes(K);
+  uint8_t* pscale = ptile + fe::align64(fe::kTileGroups * gb);
+  TileTag tag;   // invalid: this call's buffer holds nothing yet
+
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t e = g.items[2 * i], tile = g.items[2 * i + 1];
+    const int64_t p0 = g.offsets[e], m = g.offsets[e + 1] - p0;
+    if (m <= 0) continue;
+    const int64_t ng = imin_(fe::kTileGroups, N16 - tile * fe::kTileGroups);
+    Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag};
+    it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
+    const float* escale = q == fe::kFP8 ? static_cast<const float*>(g.scale) + e * nbn * nbk : nullptr;
+    if (escale) it.srow = escale + (tile * fe::kTileN / fe::kFp8Block) * nbk;
+    if (g.packed) {
+      it.tw = g.w + e * N16 * gb + tile * fe::kTileGroups * gb;
+      if (q == fe::kMXFP4)
+        it.tms = static_cast<const uint8_t*>(g.scale) + e * N16 * sgb + tile * fe::kTileGroups * sgb;
+      it.slow = g.slow[e * ntiles + tile] != 0;
+    } else {
+      // Standard layout: pack this tile first (same bytes and flag as prepacking). The
+      // buffer tag keys on (weights, expert, groups), so re-packing never confuses it.
+      fe::pack_groups(q, g.w + e * N * fe::row_bytes(q, K), N, K, tile * fe::kTileGroups, ng, ptile);
+      it.tw = ptile;
+      if (q == fe::kMXFP4) {
+        fe::pack_mx_scales(static_cast<const uint8_t*>(g.scale) + e * N * (K / fe::kMxBlock), N, K,
+                           tile * fe::kTileGroups, ng, pscale);
+        it.tms = pscale;
+      }
+      it.slow = fe::tile_needs_slow(q, it.tw, ng, K, tile, escale, it.tms);
+    }
+    if (ng == fe::kTileGroups) {
+      item_groups<fe::kTileGroups>(it, 0);
+    } else {
+      for (int gi = 0; gi < ng; ++gi) item_groups<1>(it, gi);
+    }
+  }
+}
+
+void fused_experts_act(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t I, int act,
+                       float alpha, float limit, int64_t p0, int64_t p1) {
+  const vf one = vset1(1.0f), lim = vset1(limit), nlim = vset1(-limit), al = vset1(alpha);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* hr = h + p * ldh;
+    uint16_t* ar = a + p * lda;
+    for (int64_t i = 0; i < I; i += kVecF) {
+      const int n = int(imin_(kVecF, I - i));
+      vf gate, up;
+      if (act == 0) {
+        gate = vload_bf16(hr + i, n);
+        up = vload_bf16(hr + I + i, n);
+        vf s = vsigmoid(gate);
+        vstore_bf16(ar + i, vmul(vmul(gate, s), up), n);
+        continue;
+      }
+      // swiglu_oai: gate = h[2i], up = h[2i+1] (interleaved): one dword = (gate, up).
+#if MOELAB_ISA_LEVEL >= 2
+      __m512i d = _mm512_maskz_loadu_epi32(tail_mask(n), hr + 2 * i);
+      gate = vf{_mm512_castsi512_ps(_mm512_slli_epi32(d, 16))};
+      up = vf{_mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(int(0xffff0000u))))};
+#elif MOELAB_ISA_LEVEL == 1
+      alignas(32) uint32_t tmp[8] = {0};
+      std::memcpy(tmp, hr + 2 * i, size_t(n) * 4);
+      __m256i d = _mm256_load_si256((const __m256i*)tmp);
+      gate = vf{_mm256_castsi256_ps(_mm256_slli_epi32(d, 16))};
+      up = vf{_mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(int(0xffff0000u))))};
+#else
+      gate = vf{bf16_to_f32(hr[2 * i])};
+      up = vf{bf16_to_f32(hr[2 * i + 1])};
+#endif
+      vf gc = vmin_(lim, gate);                 // min(gate, limit), NaN passes
+      vf uc = vmin_(lim, vmax_(nlim, up));      // clamp(up, -limit, limit), NaN passes
+      vf s = vsigmoid(vmul(al, gc));
+      vstore_bf16(ar + i, vmul(vmul(gc, s), vadd(uc, one)), n);
+    }
+    for (int64_t i = I; i < lda; ++i) ar[i] = 0;
+  }
+}
+
+}  // namespace moelab::cpu::MOELAB_ISA_NS
