@@ -15,6 +15,7 @@ _build.load()
 from . import dispatch  # noqa: E402
 from .dispatch import batch_invariant_mode, set_batch_invariant  # noqa: E402,F401
 from .router_gemm import router_gemm  # noqa: E402,F401
+from .permute import Permuted, PermuteScratch, permute, unpermute  # noqa: E402,F401
 from .fused_experts import PackedMoEWeights, fused_experts, prepack_moe_weights  # noqa: E402,F401
 
 

@@ -64,7 +64,28 @@ def router_gemm_decision(x, weight) -> Decision:
     return Decision("router_gemm", "library", f"T = {T} > {ROUTER_GEMM_MAX_T}: F.linear(x.float(), w)")
 
 
-_EXPLAINERS = {"router_gemm": router_gemm_decision}
+# ---------------------------------------------------------- permute / unpermute
+# One kernel each, no crossover: the counting sort + row copies (and the no-FMA gather back)
+# win at every T on the CPU (experiments/cases_permute.py). Other devices have no moelab
+# kernel yet and run the reference. Both kernels are exact, hence batch invariant.
+_PERMUTE_CPU = Decision("permute", "moelab", "counting sort + parallel row copies (exact)")
+_UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascending, no FMA (exact)")
+
+
+def permute_decision(hidden, ids, n_experts, **_) -> Decision:
+    if hidden.device.type != "cpu":
+        return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
+    return _PERMUTE_CPU
+
+
+def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
+    if expert_out.device.type != "cpu":
+        return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
+    return _UNPERMUTE_CPU
+
+
+_EXPLAINERS = {"router_gemm": router_gemm_decision, "permute": permute_decision,
+               "unpermute": unpermute_decision}
 
 
 def explain(op: str, *args, **kwargs) -> Decision:
