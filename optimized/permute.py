@@ -21,7 +21,9 @@ from typing import Optional
 
 import torch
 
-from reference import permute as _ref
+import importlib
+
+_ref = importlib.import_module("reference.permute")  # the module: reference/__init__ rebinds `reference.permute` to the function
 from reference import validate
 from reference.permute import Permuted
 from reference.validate import capacity
