@@ -104,13 +104,19 @@ def explain(op: str, *args, **kwargs) -> Decision:
 #   tiny / blocked: every block takes that kernel.
 #   global:    the old rule of seed 000 (vLLM before PR 50949): one choice for all blocks
 #              from avg_m = max(1, T*K // E): blocked iff avg_m > 4 (`M > 4`).
-#   per_block: each block from its own m: blocked iff m >= m_cross. Our two kernels handle
-#              every tile width with the same code (the last tile of N may be narrower), so
-#              the width never forces a kernel, unlike vLLM's tinygemm/brgemm pair.
-#   auto:      per_block with m_cross calibrated on this machine by `python -m optimized.tune`
-#              (stored outside the repository, see tune_file()); the defaults below when absent.
+#   per_block: the same crossover applied to each block's own m (PR 50949): blocked iff
+#              m > 4. Our two kernels handle every tile width with the same code (the last
+#              tile of N may be narrower), so the width never forces a kernel, unlike vLLM's
+#              tinygemm/brgemm pair: the per-block choice reduces to m.
+#   auto:      per_block with m_cross (blocked iff m >= m_cross) calibrated on this machine by
+#              `python -m optimized.tune` (stored outside the repository, see tune_file()).
+#              Without a tune file: FUSED_EXPERTS_DEFAULT_M_CROSS, measured on the
+#              development machine (AMD EPYC Zen 5, 2 threads, one block with the weights in
+#              L3): fp8 and bf16 blocks turn to blocked at m = 5 (tiny decodes the tile again
+#              for the 5th row); mxfp4 decodes so cheaply (9 instructions per 64 weights)
+#              that tiny stays even up to m ~ 8.
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
-FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 5}
+FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 8}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
 _tuned: dict | None = None
 
@@ -177,8 +183,8 @@ def fused_experts_plan(T: int, K: int, E: int, quant: str, dispatch: str) -> tup
                 f"global: avg_m = max(1, T*K // E) = {avg_m} "
                 f"{'>' if kernel == 'blocked' else '<='} {FUSED_EXPERTS_GLOBAL_MAX_TINY_M}: {kernel} for every block")
     if dispatch == "per_block":
-        m = FUSED_EXPERTS_DEFAULT_M_CROSS[quant]
-        return _FE_POLICY_CODES["per_block"], m, f"per_block: blocked iff m >= {m} (default crossover)"
+        m = FUSED_EXPERTS_GLOBAL_MAX_TINY_M + 1
+        return _FE_POLICY_CODES["per_block"], m, f"per_block: blocked iff m > {m - 1} (the old crossover, per block)"
     m, src = fused_experts_m_cross(quant)
     return _FE_POLICY_CODES["per_block"], m, f"auto: per_block, blocked iff m >= {m} ({src})"
 
