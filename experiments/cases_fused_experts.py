@@ -357,7 +357,8 @@ def _write(folder, fname, rows):
     import os
     os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, fname), "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        w = csv.DictWriter(f, fieldnames=names, restval="")
         w.writeheader()
         w.writerows(rows)
 

@@ -163,14 +163,28 @@ struct Mx4Dec {
 };
 #endif
 
+// --------------------------------------------------------------------- prefetching
+// While one item computes, the next item's packed tile is prefetched into L2, a few cache
+// lines per k step, so its first pass (decode or dequantization) finds it there: the DRAM
+// stream of item i+1 overlaps the arithmetic of item i. Loads only; no effect on results.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int lines = 0;   // cache lines per k step
+  inline void step() {
+    for (int i = 0; i < lines && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
 // ------------------------------------------------------------------------ the K loop
 // acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
 template <int R, int NG, class Dec>
-inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG]) {
+inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pf) {
   for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      pf->step();
       W32 w[NG][Dec::kStep];
       for (int g = 0; g < NG; ++g) dec.get(g, kk, w[g]);
       for (int s = 0; s < Dec::kStep; ++s) {
@@ -183,17 +197,19 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
   }
 }
 
-// Decode the NG groups into buf ([NG][K2][32] bf16), the layout LoadDec reads.
+// Decode the NG groups into buf, [K2][NG][32] bf16 (the groups of one k pair adjacent, so
+// the blocked micro-kernel walks one pointer).
 template <int NG, class Dec>
-inline void dequant(Dec& dec, int64_t K2, uint16_t* buf) {
+inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
   for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      pf->step();
       for (int g = 0; g < NG; ++g) {
         W32 w[Dec::kStep];
         dec.get(g, kk, w);
-        for (int s = 0; s < Dec::kStep; ++s) w_store(buf + (g * K2 + kk + s) * 32, w[s]);
+        for (int s = 0; s < Dec::kStep; ++s) w_store(buf + ((kk + s) * NG + g) * 32, w[s]);
       }
     }
   }
@@ -233,11 +249,12 @@ inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
 }
 
 template <int R, int NG, class Dec>
-inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p) {
+inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p,
+                       Prefetch* pf) {
   Acc acc[R][NG];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
-  run_rows<R, NG>(dec, a, lda, K2, acc);
+  run_rows<R, NG>(dec, a, lda, K2, acc, pf);
   store_rows<R, NG>(o, p, acc);
 }
 
@@ -245,18 +262,74 @@ inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, cons
 // copied per chunk (its block state restarts at k = 0).
 template <int NG, int MaxR, class Dec>
 inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
-                     int64_t p0, int64_t m) {
+                     int64_t p0, int64_t m, Prefetch* pf) {
   int64_t r0 = 0;
-  for (; r0 + MaxR <= m; r0 += MaxR) rows_chunk<MaxR, NG>(dec, a + r0 * lda, lda, K2, o, p0 + r0);
+  for (; r0 + MaxR <= m; r0 += MaxR) rows_chunk<MaxR, NG>(dec, a + r0 * lda, lda, K2, o, p0 + r0, pf);
   const int64_t rest = m - r0;
   const uint16_t* ar = a + r0 * lda;
   switch (rest) {
-    case 1: rows_chunk<1, NG>(dec, ar, lda, K2, o, p0 + r0); break;
-    case 2: rows_chunk<2, NG>(dec, ar, lda, K2, o, p0 + r0); break;
-    case 3: rows_chunk<3, NG>(dec, ar, lda, K2, o, p0 + r0); break;
-    case 4: if constexpr (MaxR > 4) rows_chunk<4, NG>(dec, ar, lda, K2, o, p0 + r0); break;
-    case 5: if constexpr (MaxR > 5) rows_chunk<5, NG>(dec, ar, lda, K2, o, p0 + r0); break;
+    case 1: rows_chunk<1, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 2: rows_chunk<2, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 3: rows_chunk<3, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 4: if constexpr (MaxR > 4) rows_chunk<4, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 5: if constexpr (MaxR > 5) rows_chunk<5, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
     default: break;
+  }
+}
+
+// The blocked micro-kernel: R rows x NG vectors over the dequantized buffer ([K2][NG][32]).
+// The same dp sequence per output element as run_rows (kk ascending), written with one
+// weight pointer and R row pointers so they stay in registers.
+template <int R, int NG>
+inline void micro_buf(const uint16_t* b, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                      int64_t p, Prefetch* pf) {
+  Acc acc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
+  // index addressing), so two row pointers and the stride stay in registers.
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* a3 = a0 + 3 * lda * 2;
+  const int64_t ld = lda * 2;
+  const char* pp = pf->p;
+  const char* const pe = pf->end;
+  const uint16_t* bk = b;
+  for (int64_t kk = 0; kk < K2; ++kk, a0 += 4, a3 += 4, bk += NG * 32) {
+    if (pp < pe) {
+      __builtin_prefetch(pp, 0, 2);
+      pp += 64;
+    }
+    W32 w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * 32);
+    for (int r = 0; r < R; ++r) {
+      const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
+      const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
+      for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g]);
+    }
+  }
+  pf->p = pp;
+  store_rows<R, NG>(o, p, acc);
+}
+
+// All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
+// (m = 32: 6, 6, 5, 5, 5, 5).
+template <int NG>
+inline void blocked_rows(const uint16_t* buf, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                         int64_t p0, int64_t m, Prefetch* pf) {
+  const int64_t n = fe::cdiv(m, kBlockedRows), base = m / n, extra = m % n;
+  int64_t r0 = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t R = base + (c < extra ? 1 : 0);
+    const uint16_t* ar = a + r0 * lda;
+    switch (R) {
+      case 1: micro_buf<1, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 2: micro_buf<2, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 3: micro_buf<3, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 4: micro_buf<4, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 5: micro_buf<5, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      default: micro_buf<6, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+    }
+    r0 += R;
   }
 }
 
@@ -281,6 +354,7 @@ struct Item {
   bool slow, blocked;
   uint16_t* buf;        // the dequantized tile buffer
   TileTag* tag;
+  Prefetch* pf;         // the next item's tile
 };
 
 // Groups [gbase, gbase + NG) of an item.
@@ -293,10 +367,9 @@ void item_groups(const Item& it, int gbase) {
   const Out o{&g, it.e, (it.tile * fe::kTileGroups + gbase) * fe::kGroupN};
   const uint8_t* w = it.tw + gbase * gb;
 
-  if (g.quant == fe::kBF16) {   // the packed weights are already the bf16 VNNI tile
-    const LoadDec dec{reinterpret_cast<const uint16_t*>(w), K2 * 32};
-    if (it.blocked) all_rows<NG, kBlockedRows>(dec, a, g.lda, K2, o, it.p0, it.m);
-    else all_rows<NG, kTinyRows>(dec, a, g.lda, K2, o, it.p0, it.m);
+  const LoadDec bf16{reinterpret_cast<const uint16_t*>(w), K2 * 32};   // bf16: the packed tile
+  if (g.quant == fe::kBF16 && !it.blocked) {
+    all_rows<NG, kTinyRows>(bf16, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
   const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
@@ -306,36 +379,39 @@ void item_groups(const Item& it, int gbase) {
     const int64_t g_first = it.tile * fe::kTileGroups + gbase;
     if (!it.tag->holds(g.w, it.e, g_first, NG, it.slow)) {
       it.tag->valid = false;
-      if (use_exact) {
+      if (g.quant == fe::kBF16) {   // a copy into the buffer's layout
+        LoadDec d = bf16;
+        dequant<NG>(d, K2, it.buf, it.pf);
+      } else if (use_exact) {
         ExactDec d = exact;
-        dequant<NG>(d, K2, it.buf);
+        dequant<NG>(d, K2, it.buf, it.pf);
       }
 #if MOELAB_ISA_LEVEL >= 2
       else if (g.quant == fe::kFP8) {
         Fp8Dec d{w, gb, it.srow, _mm512_setzero_ps()};
-        dequant<NG>(d, K2, it.buf);
+        dequant<NG>(d, K2, it.buf, it.pf);
       } else {
         Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
         d.init();
-        dequant<NG>(d, K2, it.buf);
+        dequant<NG>(d, K2, it.buf, it.pf);
       }
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
-    all_rows<NG, kBlockedRows>(LoadDec{it.buf, K2 * 32}, a, g.lda, K2, o, it.p0, it.m);
+    blocked_rows<NG>(it.buf, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
   if (use_exact) {
-    all_rows<NG, kTinyRows>(exact, a, g.lda, K2, o, it.p0, it.m);
+    all_rows<NG, kTinyRows>(exact, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
 #if MOELAB_ISA_LEVEL >= 2
   if (g.quant == fe::kFP8) {
-    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, _mm512_setzero_ps()}, a, g.lda, K2, o, it.p0, it.m);
+    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, _mm512_setzero_ps()}, a, g.lda, K2, o, it.p0, it.m, it.pf);
   } else {
     Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
     d.init();
-    all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m);
+    all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m, it.pf);
   }
 #endif
 }
@@ -351,14 +427,25 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratc
   uint8_t* ptile = scratch + 64 + fe::scratch_dequant_bytes(K);
   uint8_t* pscale = ptile + fe::align64(fe::kTileGroups * gb);
   TileTag tag;   // invalid: this call's buffer holds nothing yet
+  const int64_t K2 = k2(K);
 
   for (int64_t i = i0; i < i1; ++i) {
     const int64_t e = g.items[2 * i], tile = g.items[2 * i + 1];
     const int64_t p0 = g.offsets[e], m = g.offsets[e + 1] - p0;
     if (m <= 0) continue;
     const int64_t ng = imin_(fe::kTileGroups, N16 - tile * fe::kTileGroups);
-    Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag};
+    Prefetch pf;
+    Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
+    if (g.packed && i + 1 < i1) {   // prefetch the next item's tile over this item's k steps
+      const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
+      const int64_t ng1 = imin_(fe::kTileGroups, N16 - t1 * fe::kTileGroups);
+      pf.p = reinterpret_cast<const char*>(g.w + e1 * N16 * gb + t1 * fe::kTileGroups * gb);
+      pf.end = pf.p + ng1 * gb;
+      const int64_t passes = it.blocked ? 1 + fe::cdiv(m, kBlockedRows) : fe::cdiv(m, kTinyRows);
+      const int64_t steps = imax_(1, passes * K2 / 2);   // done by mid-item (mxfp4 steps 2 pairs)
+      pf.lines = int(fe::cdiv(fe::cdiv(ng1 * gb, 64), steps));
+    }
     const float* escale = q == fe::kFP8 ? static_cast<const float*>(g.scale) + e * nbn * nbk : nullptr;
     if (escale) it.srow = escale + (tile * fe::kTileN / fe::kFp8Block) * nbk;
     if (g.packed) {

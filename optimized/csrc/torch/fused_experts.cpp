@@ -82,18 +82,23 @@ void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const 
   check_shape(*b, kOp, arg, {E, N});
 }
 
-// Work items (expert, tile) of one pass, tile-major: at::parallel_for gives each thread a
-// contiguous range, so every thread gets a share of every expert's tiles (a hot expert is
-// split across threads; the cost per thread stays balanced under skewed routing).
+// Work items (expert, tile) of one pass, in one band of tiles per thread: band b holds, for
+// every routed expert in turn, the tiles [b*nt/B, (b+1)*nt/B). at::parallel_for gives each
+// thread a contiguous range, i.e. about one band: every thread gets its share of every
+// expert's tiles (a hot expert is split across threads, the cost stays balanced under any
+// routing skew), and walks its band expert by expert, so an expert's rows stay in L2 across
+// its tiles and the next item's weights (prefetched) are the next tile of the same expert.
+// The order never changes a result: every output element belongs to exactly one item.
 std::vector<int32_t> make_items(const std::vector<int64_t>& offsets, int64_t E, int64_t N) {
   std::vector<int32_t> items;
-  const int64_t nt = fe::n_tiles(N);
-  for (int64_t t = 0; t < nt; ++t)
+  const int64_t nt = fe::n_tiles(N), B = std::max<int64_t>(1, at::get_num_threads());
+  for (int64_t b = 0; b < B; ++b)
     for (int64_t e = 0; e < E; ++e)
-      if (offsets[e + 1] > offsets[e]) {
-        items.push_back(int32_t(e));
-        items.push_back(int32_t(t));
-      }
+      if (offsets[e + 1] > offsets[e])
+        for (int64_t t = b * nt / B; t < (b + 1) * nt / B; ++t) {
+          items.push_back(int32_t(e));
+          items.push_back(int32_t(t));
+        }
   return items;
 }
 
