@@ -179,12 +179,13 @@ struct Prefetch {
 // ------------------------------------------------------------------------ the K loop
 // acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
 template <int R, int NG, class Dec>
-inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pf) {
+inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pfp) {
+  Prefetch pf = *pfp;   // a local copy, so its pointer lives in a register
   for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
-      pf->step();
+      pf.step();
       W32 w[NG][Dec::kStep];
       for (int g = 0; g < NG; ++g) dec.get(g, kk, w[g]);
       for (int s = 0; s < Dec::kStep; ++s) {
@@ -195,6 +196,7 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
       }
     }
   }
+  pfp->p = pf.p;
 }
 
 // Decode the NG groups into buf, [K2][NG][32] bf16 (the groups of one k pair adjacent, so
