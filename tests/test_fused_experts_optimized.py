@@ -283,10 +283,13 @@ def test_shapes_and_no_bias(level, quant):
 def test_odd_sizes(level, quant):
     # bf16 / fp8 take any H, I: odd K (a zero-padded k), N not a multiple of 16 / 64.
     with isa(level):
-        for E, H, I in ((2, 37, 21), (3, 131, 50)):
+        for E, H, I in ((2, 37, 21), (3, 131, 50), (2, 66, 35)):
             x, w13, w2, tw, ids, kw = make_case(quant, "swiglu_oai", E, H, I, 6, 2, seed=H)
             out = run_all_policies(x, w13, w2, tw, ids, kw)
             reference_check(x, w13, w2, tw, ids, kw, out)
+            pw = optimized.prepack_moe_weights(w13, w2, quant, kw["w13_scale"], kw["w2_scale"])
+            kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+            assert torch.equal(bits(optimized.fused_experts(x, pw, None, tw, ids, **kp)), bits(out))
 
 
 @settings(max_examples=25, deadline=None)
