@@ -7,6 +7,7 @@
 // kernel relies on is re-checked here, so a direct torch.ops.moelab call with hostile
 // arguments raises RuntimeError instead of reading or writing out of bounds.
 #include <cmath>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -102,6 +103,33 @@ std::vector<int32_t> make_items(const std::vector<int64_t>& offsets, int64_t E, 
   return items;
 }
 
+// The per-call intermediates (gathered x, h, a, y, the f32 combine) live in one buffer. Up
+// to kCachedWorkspace bytes it is a per-calling-thread cache kept between calls: fresh
+// pages cost one page fault each, ~10% of a large prefill, and glibc returns large blocks
+// to the system on every free. Bigger calls allocate and free their own. Held memory: the
+// largest call so far (Qwen3-30B-A3B prefill T=512: ~75 MB; decode: kilobytes).
+constexpr int64_t kCachedWorkspace = int64_t(256) << 20;
+
+uint8_t* workspace(int64_t bytes, at::Tensor& owned) {
+  uint8_t* p = nullptr;
+  if (bytes > kCachedWorkspace) {
+    owned = at::empty({bytes + 64}, at::TensorOptions().dtype(at::kByte));
+    p = owned.data_ptr<uint8_t>();
+  } else {
+    thread_local std::unique_ptr<uint8_t[]> cache;
+    thread_local int64_t cache_bytes = 0;
+    if (cache_bytes < bytes + 64) {
+      cache.reset();
+      cache.reset(new uint8_t[size_t(bytes + 64)]);
+      cache_bytes = bytes + 64;
+    }
+    p = cache.get();
+  }
+  return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+}
+
+int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
+
 void run_gemm(const cpu::FeGemm& g, int64_t n_items) {
   auto* fn = MOELAB_PICK(fused_experts_gemm);
   const int64_t bytes = fe::scratch_bytes(g.quant, g.K) + 64;
@@ -158,8 +186,7 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   MOELAB_CHECK(policy >= cpu::kFeAllTiny && policy <= cpu::kFePerBlock, kOp, "policy",
                "must be 0 (tiny), 1 (blocked) or 2 (per block), got ", policy);
 
-  at::Tensor out = at::zeros({T, H}, x.options());
-  if (T == 0) return out;
+  if (T == 0) return at::zeros({T, H}, x.options());
 
   // 1. Group rows by expert: the permute op's stable counting sort (validates the ids).
   const int64_t R = T * K;
@@ -172,14 +199,23 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   MOELAB_CHECK(rc != cpu::kPermuteBadId, kOp, "topk_ids", "holds ", bad, ", outside the valid range [-1, ", E, ")");
   TORCH_CHECK(rc == cpu::kPermuteOk, "moelab::fused_experts: internal error in the row grouping (", rc, ")");
   const int64_t P = offsets[size_t(E)];
-  if (P == 0) return out;   // every slot dropped
+  if (P == 0) return at::zeros({T, H}, x.options());   // every slot dropped
+
+  // Intermediates: xg [P, Hp] bf16, h [P, 2I] bf16, a [P, Ip] bf16, y [P, H] f32, out32 [T, H] f32.
+  const int64_t Hp = fe::k2(H) * 2, Ip = fe::k2(I) * 2;
+  const int64_t b_xg = up64(P * Hp * 2), b_h = up64(P * N1 * 2), b_a = up64(P * Ip * 2), b_y = up64(P * N2 * 4);
+  at::Tensor owned;
+  uint8_t* ws = workspace(b_xg + b_h + b_a + b_y + T * H * 4, owned);
+  uint16_t* xg = reinterpret_cast<uint16_t*>(ws);
+  uint16_t* hb = reinterpret_cast<uint16_t*>(ws + b_xg);
+  uint16_t* ab = reinterpret_cast<uint16_t*>(ws + b_xg + b_h);
+  float* yb = reinterpret_cast<float*>(ws + b_xg + b_h + b_a);
+  float* ob = reinterpret_cast<float*>(ws + b_xg + b_h + b_a + b_y);
 
   // 2. Gather x rows, padded to an even width (the k pairs).
-  const int64_t Hp = fe::k2(H) * 2, Ip = fe::k2(I) * 2;
-  at::Tensor xg = at::empty({P, Hp}, x.options());
   {
     const char* xp = static_cast<const char*>(x.data_ptr());
-    char* gp = static_cast<char*>(xg.data_ptr());
+    char* gp = reinterpret_cast<char*>(xg);
     const int64_t ldx = x.stride(0) * 2;
     if (Hp == H) {
       auto* rows = MOELAB_PICK(permute_rows);
@@ -202,7 +238,6 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   };
 
   // 3. GEMM1: h = bf16(x @ W13.T + b13).
-  at::Tensor h = at::empty({P, N1}, x.options());
   cpu::FeGemm g1{};
   g1.quant = q;
   g1.packed = packed;
@@ -211,12 +246,12 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   g1.slow = packed ? w13_slow->data_ptr<uint8_t>() : nullptr;
   g1.N = N1;
   g1.K = K1;
-  g1.a = reinterpret_cast<const uint16_t*>(xg.data_ptr());
+  g1.a = xg;
   g1.lda = Hp;
   g1.bias = bias_of(w13_bias);
   g1.bias_bf16 = bias_bf16(w13_bias);
   g1.out_bf16 = true;
-  g1.out = h.data_ptr();
+  g1.out = hb;
   g1.ldo = N1;
   g1.offsets = offsets.data();
   g1.policy = int(policy);
@@ -226,11 +261,10 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   run_gemm(g1, int64_t(items1.size() / 2));
 
   // 4. Activation: a = bf16(act(h)).
-  at::Tensor a = at::empty({P, Ip}, x.options());
   {
     auto* fn = MOELAB_PICK(fused_experts_act);
-    const uint16_t* hp = reinterpret_cast<const uint16_t*>(h.data_ptr());
-    uint16_t* ap = reinterpret_cast<uint16_t*>(a.data_ptr());
+    const uint16_t* hp = hb;
+    uint16_t* ap = ab;
     const float al = float(alpha), li = float(limit);
     at::parallel_for(0, P, std::max<int64_t>(1, 16384 / I), [&](int64_t p0, int64_t p1) {
       fn(hp, N1, ap, Ip, I, act, al, li, p0, p1);
@@ -238,37 +272,35 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   }
 
   // 5. GEMM2: y = a @ W2.T + b2 (f32).
-  at::Tensor y = at::empty({P, N2}, x.options().dtype(at::kFloat));
   cpu::FeGemm g2 = g1;
   g2.w = static_cast<const uint8_t*>(w2.data_ptr());
   g2.scale = w2_scale.has_value() ? w2_scale->data_ptr() : nullptr;
   g2.slow = packed ? w2_slow->data_ptr<uint8_t>() : nullptr;
   g2.N = N2;
   g2.K = K2;
-  g2.a = reinterpret_cast<const uint16_t*>(a.data_ptr());
+  g2.a = ab;
   g2.lda = Ip;
   g2.bias = bias_of(w2_bias);
   g2.bias_bf16 = bias_bf16(w2_bias);
   g2.out_bf16 = false;
-  g2.out = y.data_ptr();
+  g2.out = yb;
   g2.ldo = N2;
   const std::vector<int32_t> items2 = make_items(offsets, E, N2);
   g2.items = items2.data();
   run_gemm(g2, int64_t(items2.size() / 2));
 
   // 6. Combine in f32, j ascending (the permute op's unpermute), then one bf16 rounding.
-  at::Tensor out32 = at::empty({T, H}, x.options().dtype(at::kFloat));
   {
     auto* fn = MOELAB_PICK(unpermute_tokens);
-    const float* yp = y.data_ptr<float>();
+    const float* yp = yb;
     const float* wp = topk_weights.data_ptr<float>();
     const int64_t ldw_t = topk_weights.stride(0), ldw_k = topk_weights.stride(1);
-    float* op = out32.data_ptr<float>();
+    float* op = ob;
     at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * K)), [&](int64_t t0, int64_t t1) {
       fn(yp, Fmt::kF32, H, wp, ldw_t, ldw_k, dst_pos.data(), K, H, op, t0, t1);
     });
   }
-  return out32.to(at::kBFloat16);
+  return at::from_blob(ob, {T, H}, x.options().dtype(at::kFloat)).to(at::kBFloat16);
 }
 
 // Packs one weight matrix of fused_experts ([E][N][K] standard layout) into the blocked
