@@ -27,6 +27,8 @@ from __future__ import annotations
 import csv
 import math
 import os
+import statistics
+import time
 import tomllib
 from pathlib import Path
 
@@ -69,8 +71,14 @@ def setup(notebook: str) -> dict:
     """Threads, plotting style, and a printed stamp of where and how this run measures."""
     import seaborn as sns
     threads = os.environ.get("MOELAB_NB_THREADS") or ("1" if mode() == "tiny" else None)
-    if threads:   # tiny mode: one thread (a shared machine stalls 2-thread regions; numbers unused)
+    note = ""
+    if threads:   # tiny mode: one thread (fast and steady; its numbers are not used)
         torch.set_num_threads(int(threads))
+    elif parallel_stalls():
+        note = (f" [parallel regions on {torch.get_num_threads()} threads stall here (another process holds a "
+                f"core, so every region waits a scheduler slice): measuring on 1 thread; set MOELAB_NB_THREADS "
+                f"to force a count]")
+        torch.set_num_threads(1)
     sns.set_theme(style="whitegrid", context="notebook")
     m = timing.machine()
     bw = read_bandwidth()
@@ -79,7 +87,8 @@ def setup(notebook: str) -> dict:
     print(f"{notebook}: mode {mode()}; {m['cpu']}, {m['cores']} cores, ISA {m['isa']}, "
           f"{m['threads']} threads, torch {m['torch']}; read bandwidth {bw / 1e9:.1f} GB/s; "
           f"load average {m['load']}" + (" (the machine is shared: numbers measured under load)"
-                                         if under_load() else ""))
+                                         if under_load() else "") + note)
+    stamp["threads_note"] = note.strip(" []")
     return stamp
 
 
@@ -89,6 +98,32 @@ def read_bandwidth() -> float:
         t = timing.compare({"sum": lambda: x.sum()}, rounds=1, min_time=0.01)["sum"].median
         return x.numel() * 4 / t
     return timing.read_bandwidth()
+
+
+def parallel_stalls() -> bool:
+    """True if a short parallel op on all threads is > 3x slower than on one thread (median of
+    25 calls, any of 3 tries): on a shared machine where another process holds a core, every
+    parallel region waits for a descheduled thread (4-8 ms here), which makes multi-thread
+    timings meaningless."""
+    n = torch.get_num_threads()
+    if n < 2:
+        return False
+    x = torch.ones(1 << 20)
+
+    def med(threads):
+        torch.set_num_threads(threads)
+        x.mul_(1.0)
+        ts = []
+        for _ in range(25):
+            t = time.perf_counter()
+            x.mul_(1.0)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    try:
+        return any(med(n) > 3 * med(1) for _ in range(3))
+    finally:
+        torch.set_num_threads(n)
 
 
 def under_load() -> bool:

@@ -150,12 +150,13 @@ def machine() -> dict[str, str]:
 
 
 def machine_id() -> str:
-    """A short folder-friendly name of this machine, for results/<machine>/."""
+    """A short folder-friendly name of this machine (CPU model and core count), for
+    results/<machine>/; the threads a result used are in its stamp."""
     m = machine()
     cpu = "".join(c if c.isalnum() else "-" for c in m["cpu"]).strip("-").lower()
     while "--" in cpu:
         cpu = cpu.replace("--", "-")
-    return f"{cpu[:40]}-{m['threads']}t"
+    return f"{cpu[:40]}-{m['cores']}c"
 
 
 def results_dir(root: str | os.PathLike | None = None) -> Path:
