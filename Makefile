@@ -39,7 +39,7 @@ bench: setup
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
 # (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.
 experiments: setup
-	$(VPY) -m experiments.run_notebooks $(if $(FULL),--mode full,)
+	$(VPY) -m experiments.run_notebooks $(if $(filter-out 0,$(FULL)),--mode full,)
 
 # Every GPU source through nvcc (sm_80, sm_90a) and hipcc (gfx90a, gfx940), device code only,
 # in parallel; ptxas/AMDGPU register and spill reports in build/compile-check/. No GPU needed,
