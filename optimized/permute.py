@@ -43,6 +43,8 @@ class PermuteScratch(_ref.PermuteScratch):
     reference.permute.PermuteScratch. Extra buffer: counts [n_local_experts] int64, the
     histogram / cursors of the counting sort. Buffer contents between calls are
     unspecified; the views a call returns stay valid until the next call with this scratch.
+    The buffers are fixed at construction (the per-T views are cached); make a new scratch
+    rather than assigning new tensors to its attributes.
     """
 
     def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,
