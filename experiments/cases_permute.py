@@ -13,7 +13,7 @@ What bounds the ratios (E=64, K=8, H=4096 bf16): the output is T*K rows of 8 KB,
 T=8, 4 MB at T=64, 32 MB at T=512. Both ways copy the same rows, ours at memcpy speed, so
 at T=64 the ratio is (argsort + index_select + 4 small ops) / (one copy): about 1.3x, not
 3x, and no copy kernel can change that. At T <= 8 the fixed per-call costs (validation,
-dispatch, the eager way's 7 ops) decide. At T=512 both allocating paths pay the first-touch
+dispatch, the eager way's ten small ops) decide. At T=512 both allocating paths pay the first-touch
 page faults of a fresh 32 MB output (glibc maps it anew every call); ours asks for huge
 pages on it (csrc/torch/permute.cpp), the eager way pays ~8192 4 KB faults. The scratch
 rows at T=512 show what the faults cost. On a machine shared with other jobs, two-thread
