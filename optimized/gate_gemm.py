@@ -41,6 +41,25 @@ def _skinny_gemm_fake(x, weight, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
+def _skinny_setup_context(ctx, inputs, output):
+    x, weight, bias = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _skinny_backward(ctx, grad):
+    # y = x @ w.T + b: plain torch ops (training is not this kernel's purpose, but a
+    # gradient must never be silently missing).
+    x, weight = ctx.saved_tensors
+    gx = grad @ weight if ctx.needs_input_grad[0] else None
+    gw = grad.T @ x if ctx.needs_input_grad[1] else None
+    gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+    return gx, gw, gb
+
+
+torch.library.register_autograd("moelab::skinny_gemm", _skinny_backward, setup_context=_skinny_setup_context)
+
+
 def _unit_k(t: torch.Tensor) -> torch.Tensor:
     """The kernel wants unit stride along K (rows may be strided); copy only otherwise."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()

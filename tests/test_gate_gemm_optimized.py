@@ -500,6 +500,19 @@ def test_opcheck():
         torch.library.opcheck(torch.ops.moelab.skinny_gemm.default, (x, w, b))
 
 
+@pytest.mark.parametrize("use_bias", [False, True])
+def test_autograd_matches_linear(use_bias):
+    x, w, b = make(5, 7, 33, f32, seed=11, bias=use_bias, pad=2)
+    leaves = [t.detach().clone().requires_grad_() for t in (x, w) + ((b,) if use_bias else ())]
+    twins = [t.detach().clone().requires_grad_() for t in leaves]
+    g = torch.randn(5, 7)
+    optimized.skinny_gemm(*leaves).backward(g)
+    F.linear(*twins).backward(g)
+    for a, t in zip(leaves, twins):
+        torch.testing.assert_close(a.grad, t.grad)
+    torch.library.opcheck(torch.ops.moelab.skinny_gemm.default, tuple(leaves) + ((None,) if not use_bias else ()))
+
+
 def test_torch_compile_fullgraph():
     def f(x, w, b):
         return optimized.skinny_gemm(x, w, b) * 2

@@ -31,13 +31,20 @@
 // on the tile a token lands in, on the other tokens or on the thread split (a thread owns
 // whole output features), so a token's output is bit-identical alone or inside any batch.
 //
-// Cost and floors (this machine: ~30-55 GB/s read on 2 cores; AVX-512 BF16):
-//   bytes = N*K*e (weight, once) + T*K*e + T*N*e + N*e (e = element size), the weight
-//   dominating: N = 513, K = 4096, bf16 -> 4.2 MB -> 76..140 us at 55..30 GB/s.
-//   flops = 2*T*N*K: at T = 8 that is 34 MFLOP; vdpbf16ps on 2 cores (~3 GHz, 32 MACs per
-//   instruction, 1/cycle at 512 bits) bounds it near 192 GFLOP/s -> ~175 us of compute if
-//   the units were busy 100% of the time on one chain, so T = 8 is near the crossover from
-//   memory- to compute-bound and T <= 4 is firmly memory-bound.
+// Memory. Besides the hardware prefetchers (which stop at 4 KiB pages), each chunk step
+// prefetches the NEXT row block at the same offset into L2 (prefetch_next_block), so a
+// block's lines are requested a whole block ahead while this block's products run.
+//
+// Cost and floors (this machine, AMD EPYC, 2 cores, AVX-512 BF16):
+//   bytes = N*K*e (weight, once) + T*K*e + T*N*e (e = element size); the weight dominates:
+//   N = 513, K = 4096, bf16 -> 4.2 MB -> 70..140 us at 60..30 GB/s (the read bandwidth
+//   measured here swings between those as other jobs share the machine).
+//   flops = 2*T*N*K (34 MFLOP at T = 8 for that shape). Measured here: vdpbf16ps peaks at
+//   ~8e9 instructions/s per core (64 flops each: ~510 GFLOP/s), the 4x4 tile with
+//   L2-resident weights reaches ~310 GFLOP/s per core -> ~55 us for T = 8 on 2 cores,
+//   ~27 us for T = 4: below the memory floor, so decode shapes are memory-bound; what
+//   costs time beyond the floor at T = 4..8 is compute that does not fully overlap the
+//   stream (timed on one core: cold time ~ L3-hot time + a constant memory stall).
 #include "isa_begin.h"
 
 namespace moelab::cpu::MOELAB_ISA_NS {
