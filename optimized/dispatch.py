@@ -13,6 +13,8 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass
 
+import torch
+
 _batch_invariant = False
 
 
@@ -79,8 +81,20 @@ SKINNY_DTYPES = ("bfloat16", "float16", "float32")
 SKINNY_EVIDENCE = "measured: experiments/cases_skinny_gemm.crossover"
 
 
+_SKINNY_TORCH_DTYPES = frozenset(getattr(torch, name) for name in SKINNY_DTYPES)
+
+
 def _dtype_name(t) -> str:
     return str(t.dtype).replace("torch.", "")
+
+
+def unquantized_gemm_kernel(x) -> str:
+    """The kernel optimized.unquantized_gemm runs for x (the hot path: no reason string)."""
+    if x.device.type != "cpu" or x.dtype not in _SKINNY_TORCH_DTYPES:
+        return "library"
+    if x.shape[0] <= SKINNY_MAX_T:
+        return "skinny"
+    return "skinny_chunked" if _batch_invariant else "library"
 
 
 def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
@@ -88,21 +102,22 @@ def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
     or library (F.linear: other devices, T > 8; not batch invariant)."""
     op = "unquantized_gemm"
     T = x.shape[0]
+    kernel = unquantized_gemm_kernel(x)
     if x.device.type != "cpu":
-        return Decision(op, "library", f"no moelab kernel for device {x.device.type}: F.linear")
+        return Decision(op, kernel, f"no moelab kernel for device {x.device.type}: F.linear")
     if _dtype_name(x) not in SKINNY_DTYPES:
-        return Decision(op, "library", f"skinny_gemm does not take {_dtype_name(x)}: F.linear")
-    if T <= SKINNY_MAX_T:
+        return Decision(op, kernel, f"skinny_gemm does not take {_dtype_name(x)}: F.linear")
+    if kernel == "skinny":
         mode = ", batch-invariant mode" if _batch_invariant else ""
-        return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}{mode}: skinny_gemm streams the weight once "
-                                      f"for all tokens, faster than F.linear at every T <= {SKINNY_MAX_T} "
-                                      f"({SKINNY_EVIDENCE}); batch invariant")
-    if _batch_invariant:
-        return Decision(op, "skinny_chunked", f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
-                                              f"over {-(-T // SKINNY_MAX_T)} chunks of <= {SKINNY_MAX_T} rows "
-                                              f"(invariant; reads the weight once per chunk)")
-    return Decision(op, "library", f"T = {T} > {SKINNY_MAX_T}: F.linear (library GEMM; NOT batch invariant, "
-                                   f"its blocking may change with T; set_batch_invariant(True) avoids it)")
+        return Decision(op, kernel, f"T = {T} <= {SKINNY_MAX_T}{mode}: skinny_gemm streams the weight once "
+                                    f"for all tokens, faster than F.linear at every T <= {SKINNY_MAX_T} "
+                                    f"({SKINNY_EVIDENCE}); batch invariant")
+    if kernel == "skinny_chunked":
+        return Decision(op, kernel, f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
+                                    f"over {-(-T // SKINNY_MAX_T)} chunks of <= {SKINNY_MAX_T} rows "
+                                    f"(invariant; reads the weight once per chunk)")
+    return Decision(op, kernel, f"T = {T} > {SKINNY_MAX_T}: F.linear (library GEMM; NOT batch invariant, "
+                                f"its blocking may change with T; set_batch_invariant(True) avoids it)")
 
 
 _EXPLAINERS = {"router_gemm": router_gemm_decision, "unquantized_gemm": unquantized_gemm_decision}

@@ -41,25 +41,6 @@ def _skinny_gemm_fake(x, weight, bias=None):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
-def _skinny_setup_context(ctx, inputs, output):
-    x, weight, bias = inputs
-    ctx.save_for_backward(x, weight)
-    ctx.has_bias = bias is not None
-
-
-def _skinny_backward(ctx, grad):
-    # y = x @ w.T + b: plain torch ops (training is not this kernel's purpose, but a
-    # gradient must never be silently missing).
-    x, weight = ctx.saved_tensors
-    gx = grad @ weight if ctx.needs_input_grad[0] else None
-    gw = grad.T @ x if ctx.needs_input_grad[1] else None
-    gb = grad.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
-    return gx, gw, gb
-
-
-torch.library.register_autograd("moelab::skinny_gemm", _skinny_backward, setup_context=_skinny_setup_context)
-
-
 def _unit_k(t: torch.Tensor) -> torch.Tensor:
     """The kernel wants unit stride along K (rows may be strided); copy only otherwise."""
     return t if t.shape[-1] <= 1 or t.stride(-1) == 1 else t.contiguous()
@@ -80,11 +61,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Same contract as reference.unquantized_gemm (any T); the kernel choice is
-    dispatch.unquantized_gemm_decision's: skinny_gemm, skinny_gemm over chunks of 8 rows
-    (batch-invariant mode, T > 8), or torch.nn.functional.linear."""
+    """Same contract as reference.unquantized_gemm (any T). The kernel is
+    dispatch.unquantized_gemm_kernel(x) (dispatch.explain says why): skinny_gemm,
+    skinny_gemm over chunks of 8 rows (batch-invariant mode, T > 8), or F.linear."""
     check_unquantized_gemm(x, weight, bias)
-    kernel = dispatch.unquantized_gemm_decision(x, weight, bias).kernel
+    kernel = dispatch.unquantized_gemm_kernel(x)
     if kernel == "skinny":
         return _skinny(x, weight, bias)
     if kernel == "skinny_chunked":

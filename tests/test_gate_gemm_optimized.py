@@ -350,12 +350,12 @@ def test_dispatcher_is_what_runs(monkeypatch):
     x, w, _ = make(2, 9, 16, f32, seed=4)
     calls = []
     real = torch.ops.moelab.skinny_gemm
-    monkeypatch.setattr(dispatch, "unquantized_gemm_decision",
-                        lambda *a: dispatch.Decision("unquantized_gemm", "library", "forced"))
+    assert dispatch.explain("unquantized_gemm", x, w).kernel == dispatch.unquantized_gemm_kernel(x) == "skinny"
+    monkeypatch.setattr(dispatch, "unquantized_gemm_kernel", lambda x: "library")
     lib = optimized.unquantized_gemm(x, w)
     assert torch.equal(lib, F.linear(x, w))
-    monkeypatch.setattr(dispatch, "unquantized_gemm_decision",
-                        lambda *a: calls.append(a) or dispatch.Decision("unquantized_gemm", "skinny", "forced"))
+    assert dispatch.explain("unquantized_gemm", x, w).kernel == "library"     # explain follows the policy
+    monkeypatch.setattr(dispatch, "unquantized_gemm_kernel", lambda x: calls.append(x) or "skinny")
     assert torch.equal(optimized.unquantized_gemm(x, w), real(x, w, None)) and len(calls) == 1
 
 
@@ -380,9 +380,8 @@ def test_fused_gate_gemm_one_dispatch(monkeypatch):
     x, rw, _ = make(2, 16, 32, bf16, seed=0)
     sw = make(1, 1, 32, bf16, seed=1)[1]
     seen = []
-    real = dispatch.unquantized_gemm_decision
-    monkeypatch.setattr(dispatch, "unquantized_gemm_decision", lambda x, w, b=None: seen.append(tuple(w.shape))
-                        or real(x, w, b))
+    real = torch.ops.moelab.skinny_gemm
+    monkeypatch.setattr(torch.ops.moelab, "skinny_gemm", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
     optimized.fused_gate_gemm(x, rw, sw)
     assert seen == [(17, 32)]
 
@@ -395,9 +394,8 @@ def test_fused_gate_module_rebuilds(monkeypatch):
     assert isinstance(gate, ref.FusedGate) and optimized.FusedGate.gemm is optimized.unquantized_gemm
     assert gate.rebuilds == 1
     seen = []
-    real = dispatch.unquantized_gemm_decision
-    monkeypatch.setattr(dispatch, "unquantized_gemm_decision", lambda x, w, b=None: seen.append(tuple(w.shape))
-                        or real(x, w, b))
+    real = torch.ops.moelab.skinny_gemm
+    monkeypatch.setattr(torch.ops.moelab, "skinny_gemm", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
     x = make(3, 1, H, bf16, seed=3)[0]
     r, s = gate(x)
     assert seen == [(E + 1, H)] and gate.rebuilds == 1
