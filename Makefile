@@ -9,7 +9,7 @@ VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 BUDGET  ?= 600
 
-.PHONY: setup build test verify bench clean
+.PHONY: setup build test verify bench compile-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
@@ -32,6 +32,12 @@ verify: setup
 
 bench: setup
 	$(VPY) -m experiments.bench
+
+# Every GPU source through nvcc (sm_80, sm_90a) and hipcc (gfx90a, gfx940), device code only,
+# in parallel; ptxas/AMDGPU register and spill reports in build/compile-check/. No GPU needed,
+# no torch needed. A spill in a hot kernel fails. (tests/test_compile_check.py runs it too.)
+compile-check:
+	$(PY) scripts/compile_check.py --out build/compile-check
 
 clean:
 	rm -rf build reports .pytest_cache .hypothesis

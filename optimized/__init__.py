@@ -15,6 +15,8 @@ _build.load()
 from . import dispatch  # noqa: E402
 from .dispatch import batch_invariant_mode, set_batch_invariant  # noqa: E402,F401
 from .router_gemm import router_gemm  # noqa: E402,F401
+from .route import route  # noqa: E402,F401
+from .permute import Permuted, PermuteScratch, permute, unpermute  # noqa: E402,F401
 from .gate_gemm import FusedGate, fused_gate_gemm, skinny_gemm, unquantized_gemm  # noqa: E402,F401
 
 

@@ -11,6 +11,14 @@ No -march=native: the build runs on any x86-64, the ISA is chosen when the op ru
 ninja rebuilds only what changed, so `make build` (or importing `optimized`) after an edit
 is quick, and a no-op when nothing changed. MOELAB_BUILD_DIR overrides the build folder (default:
 build/ beside the package).
+
+GPU: a second extension, moelab_gpu (csrc/gpu/*.cu torch-free kernels, csrc/torch_gpu/*.cpp
+bindings that register the CUDA implementations of the same ops; on ROCm also csrc/hip/*.hip),
+is built and loaded after the CPU one ONLY when the installed torch is a CUDA or ROCm build
+(torch.version.cuda / torch.version.hip) and its device compiler exists (nvcc under
+CUDA_HOME, hipcc under ROCM_HOME). Otherwise nothing about the CPU build changes.
+MOELAB_NO_GPU=1 skips it; TORCH_CUDA_ARCH_LIST / PYTORCH_ROCM_ARCH choose the targets
+(default: the GPUs present).
 """
 from __future__ import annotations
 
@@ -73,4 +81,58 @@ def load(verbose: bool = False) -> None:
         verbose=verbose,
     )
     _loaded = True
+    if os.environ.get("MOELAB_NO_GPU") != "1":
+        load_gpu(verbose)
+
+
+# ------------------------------------------------------------------------------------ GPU
+GPU_NAME = "moelab_gpu"
+_gpu_loaded = False
+
+
+def gpu_toolchain() -> str | None:
+    """'cuda' or 'rocm' when torch is such a build and its device compiler is installed."""
+    import torch
+    from torch.utils import cpp_extension
+
+    if getattr(torch.version, "cuda", None) and cpp_extension.CUDA_HOME:
+        if (Path(cpp_extension.CUDA_HOME) / "bin" / "nvcc").exists():
+            return "cuda"
+    if getattr(torch.version, "hip", None) and getattr(cpp_extension, "ROCM_HOME", None):
+        if (Path(cpp_extension.ROCM_HOME) / "bin" / "hipcc").exists():
+            return "rocm"
+    return None
+
+
+def gpu_sources(toolchain: str) -> list[str]:
+    files = sorted(CSRC.glob("gpu/*.cu")) + sorted(CSRC.glob("torch_gpu/*.cpp"))
+    if toolchain == "rocm":
+        files += sorted(CSRC.glob("hip/*.hip"))
+    return [str(p) for p in files]
+
+
+def load_gpu(verbose: bool = False) -> bool:
+    """Build (if needed) and load moelab_gpu when the toolchain is there; True if loaded."""
+    global _gpu_loaded
+    if _gpu_loaded:
+        return True
+    toolchain = gpu_toolchain()
+    if toolchain is None:
+        return False
+    from torch.utils import cpp_extension
+
+    bdir = build_dir().parent / "gpu"
+    bdir.mkdir(parents=True, exist_ok=True)
+    # No fast-math: the kernels rely on IEEE f32/f64 (exact keys, no-FMA sums, subnormals).
+    cpp_extension.load(
+        name=GPU_NAME,
+        sources=gpu_sources(toolchain),
+        extra_cflags=["-O3", "-std=c++17"],
+        extra_cuda_cflags=["-O3", "-std=c++17"] + (["-lineinfo"] if toolchain == "cuda" else []),
+        build_directory=str(bdir),
+        is_python_module=False,
+        verbose=verbose,
+    )
+    _gpu_loaded = True
+    return True
 

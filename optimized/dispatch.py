@@ -58,12 +58,81 @@ ROUTER_GEMM_MAX_T = 32
 def router_gemm_decision(x, weight) -> Decision:
     T = x.shape[0]
     if x.device.type != "cpu":
-        return Decision("router_gemm", "library", f"no moelab kernel for device {x.device.type}")
+        return gpu_decision("router_gemm", x, weight)
     if T <= ROUTER_GEMM_MAX_T:
         return Decision("router_gemm", "moelab", f"T = {T} <= {ROUTER_GEMM_MAX_T}: fused-cast kernel")
     if _batch_invariant:
         return Decision("router_gemm", "moelab", "batch-invariant mode: library GEMM avoided")
     return Decision("router_gemm", "library", f"T = {T} > {ROUTER_GEMM_MAX_T}: F.linear(x.float(), w)")
+
+
+# ---------------------------------------------------------------------------- route
+# One CPU kernel for every method and size (csrc/cpu/route_kernel.h), no library path, so
+# route is batch invariant in every mode. The only policy is threading: a parallel task gets
+# at least ROUTE_GRAIN_ELEMS // E tokens (>= 1), i.e. ~16K expert keys, ~8 us of work at
+# ~0.5 ns per key, so the thread pool's fork/join (a few us here, and far more when the 2
+# cores are shared with other processes, as the bench machine often is) is amortized;
+# smaller batches (decode, T <= 64 at E = 256, T <= 18 at E = 896) run on the calling
+# thread. Measured: experiments/cases_route.py. Kept in sync with grain_tokens() in
+# csrc/torch/route.cpp.
+ROUTE_GRAIN_ELEMS = 16384
+
+
+def _has_kernel(op: str, device_type: str) -> bool:
+    key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type)
+    return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+
+
+def route_decision(logits, top_k, method, **kwargs) -> Decision:
+    dev = logits.device.type
+    if dev == "cuda":
+        return gpu_decision("route", logits, top_k, method, **kwargs)
+    if dev != "cpu":
+        if _has_kernel("moelab::route", dev):
+            return Decision("route", "moelab", f"the registered {dev} kernel of moelab::route")
+        return Decision("route", "reference", f"no moelab route kernel for device {dev}")
+    T, E = logits.shape
+    grain = max(1, ROUTE_GRAIN_ELEMS // max(E, 1))
+    tasks = "1 task (calling thread)" if T < grain else f"tasks of >= {grain} tokens"
+    return Decision("route", "moelab", f"{method}, T = {T}, E = {E}, K = {top_k}: {tasks}")
+
+
+def route_fallback(logits, top_k, method, **kwargs):
+    """route off the CPU: the device's moelab::route kernel if one is registered (meta: shapes
+    only), else the reference (same results, reference speed)."""
+    if _has_kernel("moelab::route", logits.device.type):
+        return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
+                                              float(kwargs.get("scaling", 1.0)),
+                                              kwargs.get("renormalize", False),
+                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1))
+    from reference.route import route as reference_route
+    return reference_route(logits, top_k, method, **kwargs)
+
+
+
+# ---------------------------------------------------------- permute / unpermute
+# One kernel each, no crossover: the counting sort + row copies (and the no-FMA gather back)
+# win at every T on the CPU (experiments/cases_permute.py). Other devices have no moelab
+# kernel yet and run the reference. Both kernels are exact, hence batch invariant.
+_PERMUTE_CPU = Decision("permute", "moelab", "counting sort + parallel row copies (exact)")
+_UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascending, no FMA (exact)")
+
+
+def permute_decision(hidden, ids, n_experts, **_) -> Decision:
+    if hidden.device.type == "cuda":
+        return gpu_decision("permute", hidden, ids, n_experts)
+    if not hidden.is_cpu:
+        return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
+    return _PERMUTE_CPU
+
+
+def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
+    if expert_out.device.type == "cuda":
+        return gpu_decision("unpermute", expert_out, weights, dst_pos)
+    if not expert_out.is_cpu:
+        return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
+    return _UNPERMUTE_CPU
+
 
 
 # ----------------------------------------------------------- unquantized_gemm (skinny vs library)
@@ -92,7 +161,10 @@ def _dtype_name(t) -> str:
 
 
 def unquantized_gemm_kernel(x, weight) -> str:
-    """The kernel optimized.unquantized_gemm runs (the hot path: no reason string)."""
+    """The kernel optimized.unquantized_gemm runs (the hot path: no reason string on CPU;
+    on a CUDA/ROCm device the GPU policy below decides)."""
+    if x.device.type == "cuda":
+        return gpu_decision("unquantized_gemm", x, weight).kernel
     if x.device.type != "cpu" or x.dtype not in _SKINNY_TORCH_DTYPES:
         return "library"
     T = x.shape[0]
@@ -109,6 +181,8 @@ def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
     or library (F.linear: other devices, T > 8, f32 T = 1 small weights; not batch invariant)."""
     op = "unquantized_gemm"
     T = x.shape[0]
+    if x.device.type == "cuda":
+        return gpu_decision(op, x, weight, bias)
     kernel = unquantized_gemm_kernel(x, weight)
     lib = "F.linear (library GEMM; NOT batch invariant, its blocking may change with T; " \
           "set_batch_invariant(True) avoids it)"
@@ -131,11 +205,111 @@ def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
     return Decision(op, kernel, f"T = {T} > {SKINNY_MAX_T}: {lib}")
 
 
-_EXPLAINERS = {"router_gemm": router_gemm_decision, "unquantized_gemm": unquantized_gemm_decision}
+_EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision,
+               "permute": permute_decision, "unpermute": unpermute_decision,
+               "unquantized_gemm": unquantized_gemm_decision}
 
 
 def explain(op: str, *args, **kwargs) -> Decision:
     """Which kernel `optimized.<op>(*args, **kwargs)` would run, and why."""
+    if op in _GPU_POLICIES and _on_gpu(args):
+        return gpu_decision(op, *args, **kwargs)
     if op not in _EXPLAINERS:
         raise ValueError(f"explain: argument 'op' must be one of {', '.join(sorted(_EXPLAINERS))}; got {op!r}")
     return _EXPLAINERS[op](*args, **kwargs)
+
+
+# ------------------------------------------------------------------ GPU (CUDA and ROCm)
+# What each op does with tensors on a CUDA or ROCm device (torch calls both "cuda"); each
+# op's decision function above delegates here. The moelab GPU kernels (csrc/gpu, csrc/hip)
+# are used when the moelab_gpu extension is loaded (a CUDA/ROCm torch with nvcc/hipcc);
+# otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). Crossovers marked "provisional"
+# have not been measured on a GPU yet: scripts/gpu_check.sh measures them (experiments/
+# results/) and these numbers are to be replaced by the measured ones.
+GPU_ROUTER_GEMM_MAX_T = 32     # the fused-cast kernel's templated token counts (1..32)
+GPU_SKINNY_MAX_T = 8           # skinny_gemm's contract limit; provisional crossover vs F.linear
+GPU_MEASURED = "provisional: not yet measured on a GPU"
+
+
+def _on_gpu(args) -> bool:
+    for a in args:
+        if hasattr(a, "device"):
+            return a.device.type == "cuda"
+    return False
+
+
+def _gpu_platform() -> str:
+    import torch
+    return "rocm" if getattr(torch.version, "hip", None) else "cuda"
+
+
+def _gpu_loaded() -> bool:
+    from . import gpu
+    return gpu.available()
+
+
+def _gpu_router_gemm(x, weight) -> Decision:
+    op, T = "router_gemm", x.shape[0]
+    if not _gpu_loaded():
+        return Decision(op, "library", "moelab GPU extension not built: F.linear(x.float(), w)")
+    if T <= GPU_ROUTER_GEMM_MAX_T:
+        return Decision(op, "moelab", f"T = {T} <= {GPU_ROUTER_GEMM_MAX_T}: fused-cast GPU kernel (16-byte bf16 "
+                                      f"loads widened in registers, one launch; {GPU_MEASURED})")
+    if _batch_invariant:
+        return Decision(op, "moelab", "batch-invariant mode: fused-cast GPU kernel over chunks of 32 tokens")
+    return Decision(op, "library", f"T = {T} > {GPU_ROUTER_GEMM_MAX_T}: F.linear(x.float(), w) (cuBLAS / "
+                                   f"hipBLASLt; not batch invariant)")
+
+
+def _gpu_unquantized_gemm(x, weight, bias=None) -> Decision:
+    op, T, platform = "unquantized_gemm", x.shape[0], _gpu_platform()
+    blas = "hipBLASLt/Tensile" if platform == "rocm" else "cuBLAS"
+    if not _gpu_loaded():
+        return Decision(op, "library", f"moelab GPU extension not built: F.linear ({blas})")
+    if str(x.dtype) not in ("torch.bfloat16", "torch.float16", "torch.float32"):
+        return Decision(op, "library", f"skinny_gemm does not take {x.dtype}: F.linear ({blas})")
+    if T <= GPU_SKINNY_MAX_T:
+        from . import gpu
+        kernel = gpu.skinny_kernel(x.dtype, T, x.shape[1])
+        return Decision(op, "skinny", f"{platform}, T = {T} <= {GPU_SKINNY_MAX_T}: {kernel} ({GPU_MEASURED})")
+    if _batch_invariant:
+        return Decision(op, "skinny_chunked", f"{platform}, T = {T} > {GPU_SKINNY_MAX_T} in batch-invariant mode: "
+                                              f"skinny_gemm over chunks of {GPU_SKINNY_MAX_T} rows")
+    return Decision(op, "library", f"{platform}, T = {T} > {GPU_SKINNY_MAX_T}: F.linear ({blas}; not batch invariant)")
+
+
+def _gpu_route(logits, top_k, method=None, **kwargs) -> Decision:
+    op = "route"
+    if not _gpu_loaded():   # route_fallback then runs the reference
+        return Decision(op, "reference", "moelab GPU extension not built: the reference implementation")
+    from . import gpu
+    return Decision(op, "moelab", f"GPU kernel, E = {logits.shape[1]}, K = {top_k}: "
+                                  f"{gpu.route_plan(logits.shape[1], top_k)}")
+
+
+def _gpu_permute(hidden, ids, *args, **kwargs) -> Decision:
+    if not _gpu_loaded():
+        return Decision("permute", "reference", "moelab GPU extension not built: the reference implementation")
+    T, K = ids.shape[0], ids.shape[1]
+    path = "1 fused planning block + 1 row-copy launch" if T * K <= 4096 else "3 planning launches + 1 row copy"
+    return Decision("permute", "moelab", f"GPU stable counting sort, T*K = {T * K}: {path}")
+
+
+def _gpu_unpermute(expert_out, weights, dst_pos) -> Decision:
+    if not _gpu_loaded():
+        return Decision("unpermute", "reference", "moelab GPU extension not built: the reference implementation")
+    return Decision("unpermute", "moelab", "GPU weighted gather (f32, j ascending, no FMA; bit-identical)")
+
+
+_GPU_POLICIES = {
+    "router_gemm": _gpu_router_gemm,
+    "unquantized_gemm": _gpu_unquantized_gemm,
+    "route": _gpu_route,
+    "permute": _gpu_permute,
+    "unpermute": _gpu_unpermute,
+}
+
+
+def gpu_decision(op: str, *args, **kwargs) -> Decision:
+    """The GPU policy of `op` (tensors on a CUDA/ROCm device): which kernel, and why."""
+    return _GPU_POLICIES[op](*args, **kwargs)

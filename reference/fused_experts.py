@@ -114,6 +114,6 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if w2_bias is not None:
             y = y + w2_bias[e].to(torch.float64)
 
-        out.index_add_(0, tok, weights64[tok, slot].unsqueeze(1) * y)
+        out.index_put_((tok,), weights64[tok, slot].unsqueeze(1) * y, accumulate=True)   # out[tok] += w * y
 
     return round_to_bf16(out)

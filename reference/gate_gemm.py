@@ -37,9 +37,27 @@ from typing import Callable, Optional, Tuple
 import torch
 
 from . import validate
+from .quant import round_to_float_format
 from .validate import fail
 
 __all__ = ["skinny_gemm", "unquantized_gemm", "fused_gate_gemm", "FusedGate"]
+
+
+# (stored fraction bits, smallest normal exponent) of the formats the GEMMs output
+_FORMAT = {torch.bfloat16: (7, -126), torch.float16: (10, -14)}
+
+
+def _round_once(y: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """float64 -> dtype, one rounding to nearest even.
+
+    Not `y.to(dtype)`: PyTorch converts float64 to bfloat16/float16 through float32, which
+    rounds twice (1 + 2^-8 + 2^-30 would become 1.0 in bfloat16 instead of 1 + 2^-7).
+    float64 -> float32 is a single rounding.
+    """
+    if dtype == torch.float32:
+        return y.to(torch.float32)
+    mantissa_bits, min_exponent = _FORMAT[dtype]
+    return round_to_float_format(y, mantissa_bits, min_exponent, float(torch.finfo(dtype).max)).to(dtype)
 
 
 def _linear_f64(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
@@ -47,7 +65,7 @@ def _linear_f64(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
     y = x.to(torch.float64) @ weight.to(torch.float64).T
     if bias is not None:
         y = y + bias.to(torch.float64)
-    return y.to(x.dtype)
+    return _round_once(y, x.dtype)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor,
@@ -203,8 +221,9 @@ class FusedGate(torch.nn.Module):
             super().__setattr__(name, value)
 
     def __getattr__(self, name):
-        if name in _SOURCES:
-            return self.__dict__["_sources"][name]
+        sources = self.__dict__.get("_sources")
+        if name in _SOURCES and sources is not None:
+            return sources[name]
         return super().__getattr__(name)
 
     @staticmethod

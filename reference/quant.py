@@ -90,10 +90,9 @@ def round_to_float_format(v: torch.Tensor, mantissa_bits: int, min_exponent: int
     """
     v = v.to(torch.float64)
     _, ex = torch.frexp(v)                     # |v| in [2^(ex-1), 2^ex)
-    exponent = torch.clamp(ex.to(torch.int64) - 1, min=min_exponent)
-    quantum = _pow2(exponent - mantissa_bits)
+    quantum = _pow2(torch.clamp(ex.to(torch.int64) - 1, min=min_exponent) - mantissa_bits)
     r = torch.round(v / quantum) * quantum
-    r = torch.where(r.abs() > max_finite, torch.copysign(torch.full_like(r, float("inf")), r), r)
+    r = torch.where(r.abs() > max_finite, r * float("inf"), r)      # overflow -> +-inf
     return torch.where(torch.isfinite(v), r, v)
 
 
@@ -124,7 +123,8 @@ def quantize_fp8_block(w: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         amax = max |w| over B
         scale = f32(amax / 448)                  (one f32 division, rounded to nearest)
         q = RNE_e4m3(clamp(w / scale, -448, 448))  (w / scale exact, then one rounding)
-    The clamp matters: scale is rounded, so w / scale can exceed 448 by an f32 ulp.
+    Scale is rounded, so w / scale can exceed 448 by about an f32 ulp; that still rounds to
+    448, and the clamp makes the saturation explicit.
     Decisions: an all-zero block gets scale 1.0 (its codes are 0); a nonzero block whose
     amax / 448 underflows f32 to 0 gets the smallest f32 subnormal 2^-149 instead. -0.0
     stays -0.0 (e4m3 has a negative zero, code 0x80).

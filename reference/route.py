@@ -32,10 +32,16 @@ backend: slot j holds the j-th largest key under a *total order* in which NaN ra
 same order ranks groups (equal group scores: lower group index first). `torch.topk` does
 not promise that tie rule, so this module sorts explicitly (`_topk_total_order`).
 
-Precision: unlike the other reference ops (float64, rounded once), route is specified as
-"all math in f32", so this reference is float32 on purpose: logits and bias are upcast
-exactly to f32 and p, s, the keys, the group scores and the weights are computed with
-PyTorch's f32 kernels. An optimized kernel may compute exp/sigmoid a few ulps differently;
+Precision: unlike the other reference ops (float64 throughout, rounded once at the end),
+route is specified as "all math in f32", so this reference produces f32 values at every
+step a kernel rounds to f32: logits and bias are upcast exactly to f32; p and s are the
+exact softmax / sigmoid rounded once to f32; s + bias, the group scores, the sums over the
+K selected (accumulated in increasing slot j) and the weight formulas are f32 operations.
+p and s are evaluated in float64 and then rounded, rather than with torch's f32 kernels,
+because on CPU torch's f32 sigmoid takes a vectorized path and a scalar tail path that
+disagree in the last bit for a few percent of inputs: two equal logits of one row could
+then get different keys (breaking the tie rule), and a token's keys would depend on where
+it sits in the batch. An optimized kernel may compute exp/sigmoid a few ulps differently;
 where that reorders two keys a few ulps apart, verify reports a near-tie flip (it uses
 `selection_keys` to measure the gap) instead of a mismatch.
 """
@@ -95,17 +101,37 @@ def _group_mask_keys(keys: torch.Tensor, n_group: int, topk_group: int) -> torch
     return torch.where(keep, keys, torch.full_like(keys, float("-inf")))
 
 
+def _sigmoid_f32(x: torch.Tensor) -> torch.Tensor:
+    """sigmoid(x) for f32 x, evaluated in f64 and rounded once to f32 (see module docstring:
+    the same input always gives the same bits, wherever it sits in the tensor)."""
+    return torch.sigmoid(x.to(torch.float64)).to(_F32)
+
+
+def _softmax_f32(x: torch.Tensor) -> torch.Tensor:
+    """softmax over the last dim of f32 x, evaluated in f64 and rounded once to f32."""
+    return torch.softmax(x.to(torch.float64), dim=-1).to(_F32)
+
+
+def _sum_f32(w: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dim [T, K] -> [T, 1] in f32, accumulated in increasing j: a fixed
+    order, so the rounding does not depend on T or on a library's reduction tree."""
+    acc = w[:, 0].clone()
+    for j in range(1, w.shape[1]):
+        acc = acc + w[:, j]
+    return acc.unsqueeze(-1)
+
+
 def _keys(x: torch.Tensor, method: str, bias: Optional[torch.Tensor], n_group: int,
           topk_group: int) -> torch.Tensor:
     """Selection keys [T, E] f32 from f32 logits x; inputs already validated."""
     if method == "softmax_topk":
-        return torch.softmax(x, dim=-1)
+        return _softmax_f32(x)
     if method in ("topk_softmax", "llama4"):
         return x.clone()
-    s = torch.sigmoid(x)
+    s = _sigmoid_f32(x)
     if method == "sigmoid_topk":
         return s
-    keys = s + bias.to(_F32)
+    keys = s + bias.to(_F32)                                   # f32 add
     if method == "grouped_sigmoid_bias":
         keys = _group_mask_keys(keys, n_group, topk_group)
     return keys
@@ -122,7 +148,7 @@ def selection_keys(logits: torch.Tensor, method: str, bias: Optional[torch.Tenso
     total order (NaN first, -0.0 == +0.0, ties lower index first). verify uses the gap
     between a row's keys to classify a differing id as a near-tie flip or a real error.
 
-    Computed exactly as `route` computes them (same f32 kernels), on logits' device.
+    Computed exactly as `route` computes them (same code, same bits), on logits' device.
     Raises ValueError (message starting with "route:") for the inputs `route` rejects;
     validation runs with top_k = 1, scaling = 1.0, renormalize = False.
     """
@@ -150,7 +176,8 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
             weights already sum to 1; rejected for the others, which normalize by their
             own rule).
 
-    Math (all f32; sel = ids[t, :]; keys as in `selection_keys`):
+    Math (f32 values; softmax and sigmoid are the exact functions rounded once to f32;
+    sums accumulate in f32 in increasing j; sel = ids[t, :]; keys as in `selection_keys`):
         ids[t, j]     = index of the j-th largest key of row t under the total order
                         (NaN > +inf, -0.0 == +0.0, equal keys: lower index first)
         softmax_topk  w = p[sel], p = softmax(x);       renormalize: w / sum(w)
@@ -179,18 +206,18 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
     if method == "softmax_topk":
         w = keys.gather(-1, sel)                               # the keys are p
         if renormalize:
-            w = w / w.sum(dim=-1, keepdim=True)
+            w = w / _sum_f32(w)
     elif method == "topk_softmax":
-        w = torch.softmax(x.gather(-1, sel), dim=-1)           # renormalize: already sums to 1
+        w = _softmax_f32(x.gather(-1, sel))                    # renormalize: already sums to 1
     elif method == "sigmoid_topk":
         w = keys.gather(-1, sel)                               # the keys are s
         if renormalize:
-            w = w / w.sum(dim=-1, keepdim=True).clamp_min(1e-20)
+            w = w / _sum_f32(w).clamp_min(1e-20)
     elif method in ("sigmoid_bias", "grouped_sigmoid_bias"):
-        s = torch.sigmoid(x).gather(-1, sel)                   # bias left out on purpose
+        s = _sigmoid_f32(x).gather(-1, sel)                    # bias left out on purpose
         scale = torch.tensor(scaling, dtype=_F32, device=x.device)
-        w = (s * scale) / (s.sum(dim=-1, keepdim=True) + 1e-20)
+        w = (s * scale) / (_sum_f32(s) + 1e-20)
     else:  # llama4
-        w = torch.sigmoid(x.gather(-1, sel))
+        w = _sigmoid_f32(x.gather(-1, sel))
 
     return w.to(_F32).contiguous(), sel.to(torch.int32).contiguous()

@@ -61,7 +61,9 @@ def check_tensor(op: str, name: str, t, *, ndim: Optional[int] = None,
         fail(op, name, f"must have dtype {_dt(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
     if shape is not None:
         want = tuple(shape)
-        if len(want) != t.dim() or any(w is not None and w != s for w, s in zip(want, t.shape)):
+        # (t.shape == want is the common, fast case; the element-wise test handles None = any)
+        if t.shape != want and (len(want) != t.dim()
+                                or any(w is not None and w != s for w, s in zip(want, t.shape))):
             shown = tuple("*" if w is None else w for w in want)
             fail(op, name, f"must have shape {shown}, got {tuple(t.shape)}")
     if device is not None and t.device != device:
@@ -115,8 +117,9 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     if not 1 <= E <= MAX_EXPERTS:
         fail(op, "logits", f"must have 1 <= E <= {MAX_EXPERTS} columns (experts), got E = {E}")
     check_choice(op, "method", method, ROUTE_METHODS)
-    check_int(op, "top_k", top_k, 1, min(E, MAX_TOP_K),
-              what=f"1 <= top_k <= min(E, {MAX_TOP_K}) = {min(E, MAX_TOP_K)}")
+    k_max = min(E, MAX_TOP_K)
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= k_max:
+        check_int(op, "top_k", top_k, 1, k_max, what=f"1 <= top_k <= min(E, {MAX_TOP_K}) = {k_max}")
     if method == "llama4" and top_k != 1:
         fail(op, "top_k", f"must be 1 for method 'llama4', got {top_k}")
     if method in BIAS_METHODS:
@@ -126,8 +129,10 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
                      device=logits.device)
     elif bias is not None:
         fail(op, "bias", f"is only used by {', '.join(BIAS_METHODS)}; got a bias with method '{method}'")
-    check_int(op, "n_group", n_group, 1)
-    check_int(op, "topk_group", topk_group, 1)
+    # (route runs once per MoE layer and decode step: plain in-range values skip the calls)
+    if not (type(n_group) is int and type(topk_group) is int and n_group >= 1 and topk_group >= 1):
+        check_int(op, "n_group", n_group, 1)
+        check_int(op, "topk_group", topk_group, 1)
     if method == "grouped_sigmoid_bias":
         if E > MAX_EXPERTS_GROUPED:
             fail(op, "logits", f"must have E <= {MAX_EXPERTS_GROUPED} for grouped routing, got E = {E}")
@@ -141,7 +146,8 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     elif n_group != 1 or topk_group != 1:
         fail(op, "n_group" if n_group != 1 else "topk_group",
              f"only applies to method 'grouped_sigmoid_bias'; must be 1 with method '{method}'")
-    check_float(op, "scaling", scaling)
+    if not (type(scaling) is float and math.isfinite(scaling)):
+        check_float(op, "scaling", scaling)
     if method not in BIAS_METHODS and scaling != 1.0:
         fail(op, "scaling", f"only applies to {', '.join(BIAS_METHODS)}; must be 1.0 with '{method}'")
     if not isinstance(renormalize, bool):
@@ -158,7 +164,8 @@ def check_ids(op: str, name: str, ids, T: int, K: Optional[int], n_experts: int,
     check_index_range(op, name, ids, -1, n_experts)
 
 
-def check_expert_map(op: str, expert_map, n_experts: int, n_local_experts, device) -> int:
+def check_expert_map(op: str, expert_map, n_experts: int, n_local_experts, device,
+                     ranges: bool = True) -> int:
     """Returns E_loc. Without a map every expert is local."""
     if expert_map is None:
         if n_local_experts is not None and n_local_experts != n_experts:
@@ -172,7 +179,8 @@ def check_expert_map(op: str, expert_map, n_experts: int, n_local_experts, devic
     check_int(op, "n_local_experts", n_local_experts, 1)
     check_tensor(op, "expert_map", expert_map, ndim=1, dtypes=(torch.int32,), shape=(n_experts,),
                  device=device)
-    check_index_range(op, "expert_map", expert_map, -1, n_local_experts)
+    if ranges:
+        check_index_range(op, "expert_map", expert_map, -1, n_local_experts)
     return n_local_experts
 
 
@@ -181,8 +189,14 @@ def capacity(T: int, K: int, n_local_experts: int, align: int) -> int:
     return T * K + n_local_experts * (align - 1)
 
 
-def check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align) -> int:
-    """Returns E_loc."""
+def check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align, *, ranges: bool = True) -> int:
+    """Returns E_loc.
+
+    ranges=False skips the data-dependent range checks of ids and expert_map (two reductions
+    and a host read each): for a caller whose kernel checks them itself on its own pass over
+    the data (optimized.permute, whose scratch path must allocate nothing); it re-runs this
+    check with ranges=True to word the error when the kernel reports one.
+    """
     op = "permute"
     check_tensor(op, "hidden", hidden, ndim=2, dtypes=FLOAT_DTYPES)
     check_int(op, "n_experts", n_experts, 1)
@@ -192,40 +206,50 @@ def check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align) ->
         fail(op, "ids", f"must have one row per token of hidden (T = {T}), got shape {tuple(ids.shape)}")
     if ids.shape[1] < 1:
         fail(op, "ids", "must have at least one column (top_k >= 1)")
-    check_ids(op, "ids", ids, T, None, n_experts, hidden.device)
+    check_tensor(op, "ids", ids, device=hidden.device)   # rank, dtype and shape checked above
+    if ranges:
+        check_index_range(op, "ids", ids, -1, n_experts)
     check_int(op, "align", align, 1)
-    return check_expert_map(op, expert_map, n_experts, n_local_experts, hidden.device)
+    return check_expert_map(op, expert_map, n_experts, n_local_experts, hidden.device, ranges=ranges)
 
 
 def check_scratch_fits(scratch, hidden, ids, n_experts, n_local_experts, align) -> None:
     op = "permute"
     T, H = hidden.shape
     K = ids.shape[1]
-    expected = {
-        "max_tokens": (T, lambda s: T <= s.max_tokens, f"T = {T} <= max_tokens = {scratch.max_tokens}"),
-        "top_k": (K, lambda s: s.top_k == K, f"top_k = {scratch.top_k}"),
-        "n_experts": (n_experts, lambda s: s.n_experts == n_experts, f"n_experts = {scratch.n_experts}"),
-        "n_local_experts": (n_local_experts, lambda s: s.n_local_experts == n_local_experts,
-                            f"n_local_experts = {scratch.n_local_experts}"),
-        "hidden_size": (H, lambda s: s.hidden_size == H, f"hidden_size = {scratch.hidden_size}"),
-        "dtype": (hidden.dtype, lambda s: s.dtype == hidden.dtype, f"dtype = {scratch.dtype}"),
-        "device": (hidden.device, lambda s: s.device == hidden.device, f"device = {scratch.device}"),
-        "align": (align, lambda s: s.align == align, f"align = {scratch.align}"),
-    }
-    for field, (got, ok, want) in expected.items():
-        if not ok(scratch):
+    # This runs on every decode step of a scratch user: one short-circuit test first, and the
+    # per-field walk (with its message) only when something does not fit.
+    if (T <= scratch.max_tokens and scratch.top_k == K and scratch.n_experts == n_experts
+            and scratch.n_local_experts == n_local_experts and scratch.hidden_size == H
+            and scratch.dtype == hidden.dtype and scratch.align == align and scratch.device == hidden.device):
+        return
+    for field, got, ok in (
+        ("max_tokens", T, T <= scratch.max_tokens),
+        ("top_k", K, scratch.top_k == K),
+        ("n_experts", n_experts, scratch.n_experts == n_experts),
+        ("n_local_experts", n_local_experts, scratch.n_local_experts == n_local_experts),
+        ("hidden_size", H, scratch.hidden_size == H),
+        ("dtype", hidden.dtype, scratch.dtype == hidden.dtype),
+        ("device", hidden.device, scratch.device == hidden.device),
+        ("align", align, scratch.align == align),
+    ):
+        if not ok:
+            want = (f"T = {T} <= max_tokens = {scratch.max_tokens}" if field == "max_tokens"
+                    else f"{field} = {getattr(scratch, field)}")
             fail(op, "scratch", f"does not fit this call: it was built for {want}, the call has "
                                 f"{field} = {got}")
 
 
-def check_unpermute(expert_out, weights, dst_pos) -> None:
+def check_unpermute(expert_out, weights, dst_pos, *, ranges: bool = True) -> None:
+    """ranges=False skips the range check of dst_pos (see check_permute)."""
     op = "unpermute"
     check_tensor(op, "expert_out", expert_out, ndim=2, dtypes=FLOAT_DTYPES)
     check_tensor(op, "weights", weights, ndim=2, dtypes=(torch.float32,), device=expert_out.device)
     T, K = weights.shape
     check_tensor(op, "dst_pos", dst_pos, ndim=1, dtypes=(torch.int32,), shape=(T * K,),
                  device=expert_out.device)
-    check_index_range(op, "dst_pos", dst_pos, -1, expert_out.shape[0])
+    if ranges:
+        check_index_range(op, "dst_pos", dst_pos, -1, expert_out.shape[0])
 
 
 # --------------------------------------------------------------------------- GEMMs

@@ -60,14 +60,19 @@ def py_grouped(keys_row, n_group, topk_group):
     return [v if i // gs in kept else -INF for i, v in enumerate(keys_row)], kept
 
 
+def sigmoid32(x: torch.Tensor) -> torch.Tensor:
+    """The exact sigmoid rounded once to f32 (what SPEC's f32 sigmoid means here)."""
+    return torch.sigmoid(x.double()).float()
+
+
 def independent_keys(x: torch.Tensor, method: str, bias) -> torch.Tensor:
-    """Keys before group masking, with torch's f32 kernels (not the module's code)."""
+    """Keys before group masking: exact function rounded to f32 (not the module's code)."""
     x = x.float()
     if method == "softmax_topk":
-        return torch.softmax(x, dim=-1)
+        return torch.softmax(x.double(), dim=-1).float()
     if method in ("topk_softmax", "llama4"):
         return x
-    s = torch.sigmoid(x)
+    s = sigmoid32(x)
     return s if method == "sigmoid_topk" else s + bias.float()
 
 
@@ -216,6 +221,22 @@ def test_llama4_ties():
     assert ids.tolist() == [[1], [0], [0]]
 
 
+@pytest.mark.parametrize("method", ["softmax_topk", "sigmoid_topk", "sigmoid_bias"])
+def test_equal_logits_give_equal_keys_anywhere_in_the_row(method):
+    """Equal logits at a vectorized position and at a scalar-tail position of the row must
+    get bit-equal keys, so the tie goes to the lower index. (torch's own f32 sigmoid on CPU
+    breaks this for a few percent of values, e.g. x = -4.93654: ids [35, 0].)"""
+    vals = (torch.randn(200, generator=torch.Generator().manual_seed(0)) * 4).tolist() + [-4.936540126800537]
+    bias = torch.zeros(45) if method == "sigmoid_bias" else None
+    for E in (40, 45):
+        x = torch.full((len(vals), E), -50.0)
+        x[:, 0] = x[:, 35] = torch.tensor(vals)
+        _, ids = route(x, 2, method, bias=bias[:E] if bias is not None else None)
+        assert ids.tolist() == [[0, 35]] * len(vals)
+        keys = selection_keys(x, method, bias[:E] if bias is not None else None)
+        assert torch.equal(keys[:, 0], keys[:, 35])
+
+
 def test_nan_ranks_above_inf_and_nans_tie_by_index():
     x = t32([[1.0, NAN, INF, NAN, 0.0], [INF, 3.0, NAN, -INF, INF]])
     _, ids = route(x, 5, "topk_softmax")
@@ -310,7 +331,7 @@ def test_ids_distinct_in_range_and_keys_non_increasing(case):
 def test_grouped_never_picks_a_dropped_group(case):
     x, method, K, bias, n_group, topk_group = case
     _, ids = route(x, K, method, bias=bias, n_group=n_group, topk_group=topk_group)
-    keys = (torch.sigmoid(x.float()) + bias.float()).tolist()
+    keys = (sigmoid32(x) + bias.float()).tolist()
     gs = x.shape[1] // n_group
     for row_keys, row_ids in zip(keys, ids.tolist()):
         _, kept = py_grouped(row_keys, n_group, topk_group)
@@ -423,7 +444,8 @@ def test_largest_supported_shapes_and_inputs_untouched():
 def test_selection_keys_values():
     x = t32([[1.0, 3.0, 2.0, 0.5]])
     assert torch.equal(selection_keys(x, "topk_softmax"), x)
-    assert torch.equal(selection_keys(x, "sigmoid_topk"), torch.sigmoid(x))
+    assert torch.equal(selection_keys(x, "sigmoid_topk"), sigmoid32(x))
+    assert torch.equal(selection_keys(x, "softmax_topk"), torch.softmax(x.double(), -1).float())
     keys = selection_keys(t32([[4.0, -3.0, 3.0, 2.5, 0.0, 0.0, 3.5, -5.0]]), "grouped_sigmoid_bias",
                           torch.zeros(8), 4, 2)
     assert keys[0, 4:].tolist() == [-INF] * 4 and bool(torch.isfinite(keys[0, :4]).all())

@@ -1,0 +1,220 @@
+"""GPU timings of every moelab op against the eager-PyTorch way and the seeds' "before" paths.
+
+    python -m experiments.gpu_bench --out DIR [--quick]      (scripts/gpu_check.sh runs it)
+
+Method (see the seeds and issue 6's targets):
+- Each implementation is timed as a CUDA graph of `reps` back-to-back calls (small launches
+  are dominated by CPU launch overhead otherwise), replayed `repeats` times; per-call time =
+  replay time / reps, measured with CUDA events; we report the median and the 10th/90th
+  percentiles over repeats. Inputs are made once; graphs keep them alive.
+- permute's scratch comparison is also timed eagerly (host path included, with the
+  device-side index check read-back switched off: MOELAB_GPU_SYNC_CHECKS=0), since an
+  allocation inside a captured graph costs nothing at replay.
+- Floors: the measured device copy bandwidth (a large tensor copy) turns each op's bytes into
+  a memory floor; the measured replay cost of one tiny kernel is the launch floor.
+Writes DIR/gpu_bench.csv (one row per op, case, implementation) and DIR/gpu_env.csv.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import statistics
+import sys
+from pathlib import Path
+
+os.environ.setdefault("MOELAB_GPU_SYNC_CHECKS", "0")   # read once by the binding, before the first call
+
+import torch
+import torch.nn.functional as F
+
+import optimized  # noqa: F401  (loads the extensions)
+from optimized import gpu
+
+OPS = torch.ops.moelab
+DEV = "cuda"
+
+
+def graph_time(fn, reps: int = 20, repeats: int = 15) -> tuple[float, float, float]:
+    """(median, p10, p90) microseconds per call of fn, replayed as a CUDA graph of reps calls."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / reps)
+    return _stats(times)
+
+
+def eager_time(fn, reps: int = 50, repeats: int = 15) -> tuple[float, float, float]:
+    """Per-call microseconds of fn called eagerly (host overhead included)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1000.0 / reps)
+    return _stats(times)
+
+
+def _stats(t):
+    t = sorted(t)
+    return statistics.median(t), t[max(0, len(t) // 10)], t[min(len(t) - 1, (9 * len(t)) // 10)]
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (read + write counted), from a 1 GiB copy."""
+    n = 1 << 28
+    a, b = torch.empty(n, device=DEV), torch.empty(n, device=DEV)
+    med, _, _ = graph_time(lambda: b.copy_(a), reps=5, repeats=7)
+    return 2 * n * 4 / (med * 1e-6)
+
+
+def launch_floor() -> float:
+    x = torch.zeros(1, device=DEV)
+    return graph_time(lambda: x.add_(1), reps=50, repeats=9)[0]
+
+
+ROWS: list[dict] = []
+
+
+def add(op, case, impl, t, floor_us, note=""):
+    med, p10, p90 = t
+    ROWS.append(dict(op=op, case=case, impl=impl, median_us=round(med, 3), p10_us=round(p10, 3),
+                     p90_us=round(p90, 3), floor_us=round(floor_us, 3), note=note))
+    print(f"  {op:12s} {case:34s} {impl:26s} {med:9.2f} us  [{p10:.2f}, {p90:.2f}]  floor {floor_us:.2f} us {note}")
+
+
+def bench_router_gemm(bw, lf, quick):
+    H, E = 3072, 256
+    w = torch.randn(E, H, device=DEV) / H ** 0.5
+    for T in ([1, 8, 32] if quick else [1, 2, 4, 8, 16, 32]):
+        x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+        floor = max(lf, (E * H * 4 + T * H * 2 + T * E * 4) / bw * 1e6)
+        case = f"T={T} H={H} E={E} bf16"
+        add("router_gemm", case, "moelab fused cast", graph_time(lambda: OPS.router_gemm(x, w)), floor)
+        add("router_gemm", case, "before: F.linear(x.float())", graph_time(lambda: F.linear(x.float(), w)), floor,
+            "seed 001's before path (cast + cuBLAS)")
+
+
+def bench_skinny(bw, lf, quick):
+    for K in ([7168] if quick else [4096, 7168]):
+        N = 513
+        w = torch.randn(N, K, device=DEV, dtype=torch.bfloat16) / K ** 0.5
+        for T in [1, 2, 4, 8]:
+            x = torch.randn(T, K, device=DEV, dtype=torch.bfloat16)
+            floor = max(lf, (N * K * 2 + T * K * 2 + T * N * 2) / bw * 1e6)
+            case = f"T={T} K={K} N={N} bf16"
+            add("skinny_gemm", case, f"moelab {gpu.skinny_kernel(torch.bfloat16, T, K).split(' (')[0]}",
+                graph_time(lambda: OPS.skinny_gemm(x, w, None)), floor)
+            add("skinny_gemm", case, "before: F.linear", graph_time(lambda: F.linear(x, w)), floor,
+                "seed 002's before path")
+
+
+def eager_route_sigmoid_bias(logits, bias, K, scaling):
+    """The eager-PyTorch way (torch.topk): sigmoid, + bias, topk, gather, normalize."""
+    s = torch.sigmoid(logits.float())
+    idx = torch.topk(s + bias, K, dim=-1).indices
+    w = s.gather(-1, idx)
+    return w * scaling / (w.sum(-1, keepdim=True) + 1e-20), idx.to(torch.int32)
+
+
+def bench_route(bw, lf, quick):
+    shapes = [(896, 16, 512), (256, 8, 512), (128, 8, 64), (2048, 32, 256)] if not quick else [(896, 16, 512), (256, 8, 64)]
+    for E, K, T in shapes:
+        logits = torch.randn(T, E, device=DEV)
+        bias = torch.randn(E, device=DEV) * 0.1
+        floor = max(lf, (T * E * 4 + T * K * 8) / bw * 1e6)
+        case = f"E={E} K={K} T={T} sigmoid_bias"
+        add("route", case, f"moelab [{gpu.route_plan(E, K).split(':')[0]}]",
+            graph_time(lambda: OPS.route(logits, K, "sigmoid_bias", bias, 2.5)), floor)
+        add("route", case, "before: eager torch.topk", graph_time(lambda: eager_route_sigmoid_bias(logits, bias, K, 2.5)),
+            floor, "seed 004 compares against TRT-LLM's previous kernel; torch.topk is the eager way")
+
+
+def eager_permute(hidden, ids, E):
+    """The eager-PyTorch way: a stable argsort of the flattened expert ids, then a gather."""
+    flat = ids.reshape(-1).long()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=E)
+    return torch.cumsum(counts, 0), hidden[order // ids.shape[1]], order
+
+
+def bench_permute(bw, lf, quick):
+    E, K, H = 8, 2, 4096     # Mixtral (seed 003)
+    for T in ([1, 8, 64] if quick else [1, 8, 32, 128, 512]):
+        hidden = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, device=DEV)[:K] for _ in range(T)]).to(torch.int32)
+        cap = T * K
+        scratch = (torch.empty(E + 1, dtype=torch.int64, device=DEV), torch.empty(cap, H, dtype=torch.bfloat16, device=DEV),
+                   torch.empty(cap, dtype=torch.int32, device=DEV), torch.empty(cap, dtype=torch.int32, device=DEV),
+                   torch.empty(gpu.permute_counts_numel(cap, E), dtype=torch.int64, device=DEV))
+        floor = max(lf, (T * H * 2 + cap * H * 2 + 12 * cap) / bw * 1e6)
+        case = f"T={T} E={E} K={K} H={H} bf16"
+        with_scratch = lambda: OPS.permute_out(hidden, ids, E, None, E, 1, *scratch)  # noqa: E731
+        fresh = lambda: OPS.permute(hidden, ids, E, None, E, 1)  # noqa: E731
+        add("permute", case, "moelab scratch (eager)", eager_time(with_scratch), floor, "host path included")
+        add("permute", case, "before: allocating (eager)", eager_time(fresh), floor, "seed 003's before path")
+        add("permute", case, "moelab scratch (graph)", graph_time(with_scratch), floor)
+        add("permute", case, "eager torch sort+gather", graph_time(lambda: eager_permute(hidden, ids, E)), floor)
+        offsets, hout, src_row, dst_pos = fresh()
+        w = torch.rand(T, K, device=DEV)
+        ufloor = max(lf, (cap * H * 2 + T * H * 2) / bw * 1e6)
+        add("unpermute", case, "moelab", graph_time(lambda: OPS.unpermute(hout, w, dst_pos)), ufloor)
+        add("unpermute", case, "eager torch gather+sum",
+            graph_time(lambda: (hout[dst_pos.long()].view(T, K, H).float() * w[..., None]).sum(1).to(hout.dtype)), ufloor)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    assert torch.cuda.is_available() and gpu.available(), "needs a GPU and the moelab GPU extension"
+    bw, lf = copy_bandwidth(), launch_floor()
+    env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda or "",
+               hip=getattr(torch.version, "hip", "") or "", copy_bandwidth_GBps=round(bw / 1e9, 1),
+               launch_floor_us=round(lf, 3), **{f"moelab_{k}": v for k, v in gpu.info().items()})
+    print(env)
+    with open(out / "gpu_env.csv", "w", newline="") as f:
+        wr = csv.writer(f)
+        wr.writerows(env.items())
+    failures = 0
+    for b in (bench_router_gemm, bench_skinny, bench_route, bench_permute):
+        try:
+            b(bw, lf, args.quick)
+        except Exception as e:   # keep timing the others; the log says what broke
+            failures += 1
+            print(f"{b.__name__} FAILED: {type(e).__name__}: {e}")
+        with open(out / "gpu_bench.csv", "w", newline="") as f:
+            wr = csv.DictWriter(f, fieldnames=list(ROWS[0]) if ROWS else ["op"])
+            wr.writeheader()
+            wr.writerows(ROWS)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,44 @@
+// route's CPU kernel (SPEC section 1), declared at each ISA level (see isa_dispatch.h).
+// Torch-free: the binding fills RouteParams with raw pointers and sizes, checks everything
+// the kernel relies on, and hands out token ranges [t0, t1) through at::parallel_for.
+#pragma once
+#include <cstdint>
+
+#include "../common/formats.h"
+#include "isa_dispatch.h"
+
+namespace moelab::cpu {
+
+// Method codes; the op schema takes the method by name and the binding maps it here.
+enum RouteMethod : int {
+  kSoftmaxTopk = 0,         // key p = softmax(x); weight p (renormalize: / sum)
+  kTopkSoftmax = 1,         // key x; weight softmax over the K selected x
+  kSigmoidTopk = 2,         // key s = sigmoid(x); weight s (renormalize: / max(sum, 1e-20))
+  kSigmoidBias = 3,         // key s + bias; weight s * scaling / (sum s + 1e-20)
+  kGroupedSigmoidBias = 4,  // as kSigmoidBias, keys of dropped groups set to -inf first
+  kLlama4 = 5,              // key x; weight sigmoid(x), K = 1
+};
+
+constexpr int kRouteMaxExperts = 2048;
+constexpr int kRouteMaxTopK = 32;
+constexpr int kRouteMaxGroups = 32;
+
+struct RouteParams {
+  const void* logits;   // [T, E], rows `ld` elements apart, unit stride along E
+  Fmt fmt;              // f32, bf16 or f16
+  int64_t ld;
+  const void* bias;     // [E] contiguous (biased methods only), f32 or bf16
+  Fmt bias_fmt;
+  int method;           // RouteMethod
+  int E, K;             // 1 <= K <= min(E, 32), E <= 2048
+  int n_group, topk_group;
+  float scaling;
+  bool renormalize;
+  float* weights;       // [T, K] f32 out
+  int32_t* ids;         // [T, K] int32 out
+};
+
+}  // namespace moelab::cpu
+
+// Tokens [t0, t1) of one call; every element of their output rows is written.
+MOELAB_CPU_KERNEL(void, route_tokens, (const moelab::cpu::RouteParams& p, int64_t t0, int64_t t1))

@@ -1,0 +1,148 @@
+// Python bindings of the emulated GPU launchers (tests only; see emu.h). CPU tensors in,
+// the launchers' status and freshly poisoned outputs out (NaN / -7), so a test sees every
+// element a kernel failed to write.
+#include <torch/extension.h>
+
+#include "../launch.h"
+#if MOELAB_HIP
+#include "../../hip/skinny_wave64.h"
+#endif
+
+namespace {
+using moelab::Fmt;
+namespace gpu = moelab::gpu;
+
+Fmt fmt_of(const at::Tensor& t) {
+  return t.scalar_type() == at::kBFloat16 ? Fmt::kBF16 : t.scalar_type() == at::kHalf ? Fmt::kF16 : Fmt::kF32;
+}
+at::Tensor poison(at::IntArrayRef shape, at::ScalarType dt) {
+  if (at::isFloatingType(dt)) return at::full(shape, std::numeric_limits<double>::quiet_NaN(), at::dtype(dt));
+  return at::full(shape, -7, at::dtype(dt));
+}
+
+py::tuple route(const at::Tensor& logits, int64_t K, int64_t method, const std::optional<at::Tensor>& bias,
+                int64_t n_group, int64_t topk_group, double scaling, bool renormalize) {
+  const int64_t T = logits.size(0), E = logits.size(1);
+  at::Tensor w = poison({T, K}, at::kFloat), ids = poison({T, K}, at::kInt);
+  gpu::RouteArgs a;
+  a.logits = logits.data_ptr();
+  a.fmt = fmt_of(logits);
+  a.ld = logits.stride(0);
+  a.bias = bias ? bias->data_ptr() : nullptr;
+  a.bias_fmt = bias ? fmt_of(*bias) : Fmt::kF32;
+  a.method = int(method);
+  a.T = T;
+  a.E = int(E);
+  a.K = int(K);
+  a.n_group = int(n_group);
+  a.topk_group = int(topk_group);
+  a.scaling = float(scaling);
+  a.renormalize = renormalize;
+  a.weights = w.data_ptr<float>();
+  a.ids = ids.data_ptr<int32_t>();
+  const int st = gpu::route_launch(a, nullptr);
+  return py::make_tuple(st, w, ids);
+}
+
+py::tuple route_plan(int64_t E, int64_t K) {
+  gpu::RoutePlan p{};
+  const int st = gpu::route_plan(int(E), int(K), &p);
+  return py::make_tuple(st, p.row, p.block, p.per_lane, p.threads);
+}
+
+py::tuple permute(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                  const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align, int64_t ws_words) {
+  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1), R = T * K;
+  const int64_t cap = R + n_local * (align - 1);
+  at::Tensor offsets = poison({n_local + 1}, at::kLong), out = poison({cap, H}, hidden.scalar_type());
+  at::Tensor src_row = poison({cap}, at::kInt), dst_pos = poison({R}, at::kInt);
+  if (ws_words < 0) ws_words = gpu::permute_workspace_words(R, n_local);
+  at::Tensor ws = at::full({std::max<int64_t>(ws_words, 4)}, 12345, at::kInt);   // garbage, as reused memory
+  gpu::PermuteArgs a;
+  a.hidden = hidden.data_ptr();
+  a.row_bytes = H * hidden.element_size();
+  a.ld_bytes = hidden.stride(0) * hidden.element_size();
+  a.ids = ids.data_ptr();
+  a.ids_int64 = ids.scalar_type() == at::kLong;
+  a.ld_t = ids.stride(0);
+  a.ld_k = ids.stride(1);
+  a.expert_map = expert_map ? expert_map->data_ptr<int32_t>() : nullptr;
+  a.map_stride = expert_map ? expert_map->stride(0) : 0;
+  a.T = T;
+  a.K = K;
+  a.n_experts = n_experts;
+  a.n_local = n_local;
+  a.align = align;
+  a.offsets = offsets.data_ptr<int64_t>();
+  a.hidden_out = out.data_ptr();
+  a.src_row = src_row.data_ptr<int32_t>();
+  a.dst_pos = dst_pos.data_ptr<int32_t>();
+  a.capacity = cap;
+  a.workspace = ws.data_ptr<int32_t>();
+  a.workspace_words = ws_words;
+  const int st = gpu::permute_launch(a, nullptr);
+  return py::make_tuple(st, offsets, out, src_row, dst_pos, ws.narrow(0, 0, 4).clone());
+}
+
+py::tuple unpermute(const at::Tensor& eo, const at::Tensor& w, const at::Tensor& dst_pos) {
+  const int64_t T = w.size(0), K = w.size(1), H = eo.size(1);
+  at::Tensor out = poison({T, H}, eo.scalar_type());
+  at::Tensor flag = at::zeros({1}, at::kInt);
+  gpu::UnpermuteArgs a;
+  a.expert_out = eo.data_ptr();
+  a.fmt = fmt_of(eo);
+  a.ld = eo.stride(0);
+  a.rows = eo.size(0);
+  a.H = H;
+  a.weights = w.data_ptr<float>();
+  a.ldw_t = w.stride(0);
+  a.ldw_k = w.stride(1);
+  a.dst_pos = dst_pos.data_ptr<int32_t>();
+  a.T = T;
+  a.K = K;
+  a.out = out.data_ptr();
+  a.status = flag.data_ptr<int32_t>();
+  const int st = gpu::unpermute_launch(a, nullptr);
+  return py::make_tuple(st, out, flag.item<int>());
+}
+
+py::tuple router_gemm(const at::Tensor& x, const at::Tensor& w) {
+  const int64_t T = x.size(0), H = x.size(1), E = w.size(0);
+  at::Tensor out = poison({T, E}, at::kFloat);
+  const int st = gpu::router_gemm_launch(x.data_ptr(), fmt_of(x), T > 1 ? x.stride(0) : H, w.data_ptr<float>(),
+                                         w.stride(0), out.data_ptr<float>(), T, H, E, nullptr);
+  return py::make_tuple(st, out);
+}
+
+py::tuple skinny_gemm(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias, bool wave64,
+                      int64_t n_cu) {
+  const int64_t T = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = poison({T, N}, x.scalar_type());
+  const void* bp = bias ? bias->data_ptr() : nullptr;
+  const int64_t ldx = T > 1 ? x.stride(0) : K;
+  int st;
+#if MOELAB_HIP
+  if (wave64)
+    st = gpu::skinny_wave64_launch(x.data_ptr(), ldx, w.data_ptr(), w.stride(0), bp, out.data_ptr(), fmt_of(x), T, K,
+                                   N, int(n_cu), nullptr);
+  else
+#endif
+    st = gpu::skinny_gemm_launch(x.data_ptr(), ldx, w.data_ptr(), w.stride(0), bp, out.data_ptr(), fmt_of(x), T, K, N,
+                                 nullptr);
+  (void)wave64;
+  (void)n_cu;
+  return py::make_tuple(st, out);
+}
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("warp_size", &gpu::warp_size);
+  m.def("route", &route);
+  m.def("route_plan", &route_plan);
+  m.def("permute", &permute);
+  m.def("workspace_words", &gpu::permute_workspace_words);
+  m.def("unpermute", &unpermute);
+  m.def("router_gemm", &router_gemm);
+  m.def("skinny_gemm", &skinny_gemm);
+  m.attr("has_wave64") = bool(MOELAB_HIP);
+}

@@ -1,0 +1,133 @@
+// The torch-free API of the moelab GPU kernels: raw pointers, sizes and a stream in, a
+// status code out. Host-only (includes the runtime API, not the device headers), so the
+// thin torch bindings (csrc/torch_gpu/) and any other host program can call it.
+//
+// Every launcher checks the arguments its kernels rely on and returns a negative Status
+// without launching when they are unsupported; a positive return is the runtime's own error
+// code from the launch (cudaError_t / hipError_t; status_string() words both). Kernels never
+// read or write outside the buffers the arguments describe, even for hostile index data:
+// index errors found on the device are reported through a status word (permute, unpermute)
+// that the caller reads back.
+#pragma once
+
+#include <cstdint>
+
+#include "platform.h"
+#if defined(MOELAB_EMU)
+#include "emu/emu.h"
+#elif MOELAB_HIP
+#include <hip/hip_runtime_api.h>
+#else
+#include <cuda_runtime_api.h>
+#endif
+
+#include "../common/formats.h"
+
+namespace moelab::gpu {
+
+#if MOELAB_HIP
+using Stream = hipStream_t;
+#else
+using Stream = cudaStream_t;
+#endif
+
+enum Status : int {
+  kOk = 0,
+  kBadArgument = -1,   // a size, pointer or stride a kernel cannot take
+  kUnsupported = -2,   // valid for the op, but outside what this GPU kernel implements
+};
+// Text of a Status, or of a runtime error code (> 0).
+const char* status_string(int status);
+
+// Lanes per warp of the compiled kernels (32 CUDA, 64 AMD), for bindings and tests.
+int warp_size();
+
+// ------------------------------------------------------------------------------ route
+// Method codes: the same numbers as the CPU kernel's (csrc/cpu/route.h).
+enum RouteMethod : int {
+  kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidTopk = 2, kSigmoidBias = 3,
+  kGroupedSigmoidBias = 4, kLlama4 = 5,
+};
+constexpr int kRouteMaxExperts = 2048, kRouteMaxTopK = 32, kRouteMaxGroups = 32,
+              kRouteMaxGroupedExperts = 1024;
+
+struct RouteArgs {
+  const void* logits;   // [T, E], rows `ld` elements apart, unit stride along E
+  Fmt fmt;              // f32, bf16 or f16
+  int64_t ld;
+  const void* bias;     // [E] contiguous, f32 or bf16 (biased methods), else nullptr
+  Fmt bias_fmt;
+  int method;           // RouteMethod
+  int64_t T;
+  int E, K, n_group, topk_group;
+  float scaling;
+  bool renormalize;
+  float* weights;       // [T, K] f32 out, contiguous
+  int32_t* ids;         // [T, K] int32 out, contiguous
+};
+
+// The kernel a call with (E, K) takes: one row of the tier table in route.cu.
+struct RoutePlan {
+  int row;              // index in the table
+  bool block;           // false: one warp per token; true: one block per token
+  int per_lane;         // experts held per lane (warp tier) / per thread (block tier)
+  int threads;          // threads per block
+  const char* reason;   // the table row's reason, for optimized.dispatch.explain
+};
+int route_plan(int E, int K, RoutePlan* plan);   // kOk, or kUnsupported outside the table
+int route_launch(const RouteArgs& args, Stream stream);
+
+// -------------------------------------------------------------------- permute / unpermute
+// Workspace of permute, in int32 words, for R = T*K routed rows and E_loc local experts:
+// a status block plus one expert histogram per unit of rows. Monotone in R, so a buffer
+// sized for the largest R fits every smaller call.
+int64_t permute_workspace_words(int64_t rows, int64_t n_local);
+// Status block at the start of the workspace (words): [0] = 0, or 1 (an id outside
+// [-1, n_experts)), 2 (an expert_map entry outside [-1, E_loc)), 3 (inconsistent passes:
+// the ids changed while the kernels ran); [2, 3] = the offending value (int64, little end).
+constexpr int kPermuteStatusWords = 4;
+
+struct PermuteArgs {
+  const void* hidden;       // [T, H], rows ld_bytes apart, unit stride along H
+  int64_t ld_bytes, row_bytes;   // row_bytes = H * element size
+  const void* ids;          // [T, K], element (t, j) at ids + t*ld_t + j*ld_k
+  bool ids_int64;
+  int64_t ld_t, ld_k;
+  const int32_t* expert_map;     // nullable: [n_experts] int32, map_stride apart
+  int64_t map_stride;
+  int64_t T, K, n_experts, n_local, align;
+  int64_t* offsets;         // [n_local + 1] out
+  void* hidden_out;         // [capacity, H] out (row_bytes apart)
+  int32_t* src_row;         // [capacity] out
+  int32_t* dst_pos;         // [T*K] out
+  int64_t capacity;         // T*K + n_local*(align - 1)
+  int32_t* workspace;       // permute_workspace_words(T*K, n_local) words
+  int64_t workspace_words;
+};
+int permute_launch(const PermuteArgs& args, Stream stream);
+
+struct UnpermuteArgs {
+  const void* expert_out;   // [rows, H], rows ld elements apart, unit stride along H
+  Fmt fmt;
+  int64_t ld, rows, H;
+  const float* weights;     // [T, K] at weights + t*ldw_t + j*ldw_k
+  int64_t ldw_t, ldw_k;
+  const int32_t* dst_pos;   // [T*K] contiguous
+  int64_t T, K;
+  void* out;                // [T, H] contiguous, fmt
+  int32_t* status;          // nullable: set to 1 when a dst_pos entry is outside [-1, rows)
+};
+int unpermute_launch(const UnpermuteArgs& args, Stream stream);
+
+// ------------------------------------------------------------------------- router_gemm
+// out[T, E] f32 = f32(x[T, H]) @ w[E, H].T; x rows ldx elements apart; w rows ldw apart.
+int router_gemm_launch(const void* x, Fmt fx, int64_t ldx, const float* w, int64_t ldw,
+                       float* out, int64_t T, int64_t H, int64_t E, Stream stream);
+
+// ------------------------------------------------------------------------- skinny_gemm
+// out[T, N] (fmt) = x[T, K] @ w[N, K].T (+ bias[N]), f32 accumulation, T <= 8.
+constexpr int kSkinnyMaxT = 8;
+int skinny_gemm_launch(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias,
+                       void* out, Fmt fmt, int64_t T, int64_t K, int64_t N, Stream stream);
+
+}  // namespace moelab::gpu

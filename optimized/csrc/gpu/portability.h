@@ -1,0 +1,257 @@
+// One header for CUDA (nvcc) and HIP (hipcc, AMD): everything the moelab GPU kernels use
+// that differs between the two. Kernels include this and nothing vendor-specific.
+//
+//   kWarp            lanes of a warp / wavefront, a compile-time constant: 32 on CUDA,
+//                    64 on AMD gfx9 (CDNA: gfx90a, gfx940/942). Never write 32 in shared code.
+//   lanemask_t       a ballot's type (32 or 64 bits); ballot(), popc(), lanemask_lt()
+//   shfl_xor/down/idx  warp shuffles (full-warp masks on CUDA); 64-bit values go as two halves
+//   warp_sync()      orders memory between the lanes of a warp (__syncwarp on CUDA; a
+//                    wave barrier on AMD, whose lanes run in lockstep)
+//   ld16/st16        16-byte vector loads/stores (uint4), the unit of every row copy
+//   bf16/f16         storage as uint16_t; conversions exact (widening) or round-to-nearest-
+//                    even (narrowing), identical to csrc/common/formats.h (the CPU's), so a
+//                    kernel rounds an output bit-for-bit like the CPU kernel does
+//   mul_rn/add_rn    f32 multiply / add that the compiler may NOT fuse into an FMA
+//   Stream, Status   the stream handle and the launchers' return code (launch.h)
+//
+// The AMD wave size is fixed at 64: the host side of a launch cannot see the device
+// compiler's __AMDGCN_WAVEFRONT_SIZE, so a wave32 target (RDNA) fails to build here
+// instead of running with block shapes computed for the wrong width.
+#pragma once
+
+#include <cstdint>
+
+#include "platform.h"
+#if defined(MOELAB_EMU)
+#include "emu/emu.h"
+#elif MOELAB_HIP
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#else
+#include <cuda_runtime.h>
+#include <cuda_fp16.h>
+#endif
+
+#include "../common/formats.h"
+
+#define MOELAB_DEV __device__ __forceinline__
+
+namespace moelab::gpu {
+
+#if MOELAB_HIP
+#if defined(__AMDGCN_WAVEFRONT_SIZE) && __AMDGCN_WAVEFRONT_SIZE != 64
+#error "moelab GPU kernels target wave64 AMD GPUs (gfx9 / CDNA: gfx90a, gfx940, gfx942)"
+#endif
+constexpr int kWarp = 64;
+using lanemask_t = unsigned long long;
+#else
+constexpr int kWarp = 32;
+using lanemask_t = unsigned int;
+#endif
+constexpr int kLogWarp = kWarp == 64 ? 6 : 5;
+static_assert((1 << kLogWarp) == kWarp, "warp size must be a power of two");
+
+// ------------------------------------------------------------------ lanes and warps
+MOELAB_DEV int lane_id() { return int(threadIdx.x) & (kWarp - 1); }   // 1-D blocks only
+MOELAB_DEV int warp_id() { return int(threadIdx.x) >> kLogWarp; }
+
+MOELAB_DEV lanemask_t ballot(bool p) {
+#if MOELAB_HIP
+  return __ballot(p);
+#else
+  return __ballot_sync(0xffffffffu, p);
+#endif
+}
+
+MOELAB_DEV int popc(lanemask_t m) {
+#if MOELAB_HIP
+  return __popcll(m);
+#else
+  return __popc(m);
+#endif
+}
+
+// Lanes below this one.
+MOELAB_DEV lanemask_t lanemask_lt() { return (lanemask_t(1) << lane_id()) - 1; }
+
+// Index of the lowest set bit (m != 0).
+MOELAB_DEV int lowest_lane(lanemask_t m) {
+#if MOELAB_HIP
+  return __ffsll(static_cast<unsigned long long>(m)) - 1;
+#else
+  return __ffs(static_cast<int>(m)) - 1;
+#endif
+}
+
+MOELAB_DEV void warp_sync() {
+#if MOELAB_HIP
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}
+
+// ------------------------------------------------------------------------- shuffles
+// 32-bit types directly; 64-bit as two 32-bit halves (portable on every HIP version).
+MOELAB_DEV uint32_t shfl_xor(uint32_t v, int m) {
+#if MOELAB_HIP
+  return uint32_t(__shfl_xor(int(v), m));
+#else
+  return __shfl_xor_sync(0xffffffffu, v, m);
+#endif
+}
+MOELAB_DEV uint32_t shfl_down(uint32_t v, int d) {
+#if MOELAB_HIP
+  return uint32_t(__shfl_down(int(v), unsigned(d)));
+#else
+  return __shfl_down_sync(0xffffffffu, v, unsigned(d));
+#endif
+}
+MOELAB_DEV uint32_t shfl_idx(uint32_t v, int src) {
+#if MOELAB_HIP
+  return uint32_t(__shfl(int(v), src));
+#else
+  return __shfl_sync(0xffffffffu, v, src);
+#endif
+}
+MOELAB_DEV int32_t shfl_xor(int32_t v, int m) { return int32_t(shfl_xor(uint32_t(v), m)); }
+MOELAB_DEV int32_t shfl_down(int32_t v, int d) { return int32_t(shfl_down(uint32_t(v), d)); }
+MOELAB_DEV int32_t shfl_idx(int32_t v, int s) { return int32_t(shfl_idx(uint32_t(v), s)); }
+MOELAB_DEV float shfl_xor(float v, int m) { return __uint_as_float(shfl_xor(__float_as_uint(v), m)); }
+MOELAB_DEV float shfl_down(float v, int d) { return __uint_as_float(shfl_down(__float_as_uint(v), d)); }
+MOELAB_DEV float shfl_idx(float v, int s) { return __uint_as_float(shfl_idx(__float_as_uint(v), s)); }
+MOELAB_DEV uint64_t shfl_xor(uint64_t v, int m) {
+  uint32_t lo = shfl_xor(uint32_t(v), m), hi = shfl_xor(uint32_t(v >> 32), m);
+  return (uint64_t(hi) << 32) | lo;
+}
+MOELAB_DEV uint64_t shfl_idx(uint64_t v, int s) {
+  uint32_t lo = shfl_idx(uint32_t(v), s), hi = shfl_idx(uint32_t(v >> 32), s);
+  return (uint64_t(hi) << 32) | lo;
+}
+MOELAB_DEV double shfl_xor(double v, int m) {
+  return __longlong_as_double(static_cast<long long>(shfl_xor(static_cast<uint64_t>(__double_as_longlong(v)), m)));
+}
+MOELAB_DEV double shfl_idx(double v, int s) {
+  return __longlong_as_double(static_cast<long long>(shfl_idx(static_cast<uint64_t>(__double_as_longlong(v)), s)));
+}
+
+// ---------------------------------------------------------------- 16-byte vectors
+using vec16 = uint4;   // 16 bytes: 8 bf16/f16, 4 f32
+MOELAB_DEV vec16 ld16(const void* p) { return *static_cast<const vec16*>(p); }
+MOELAB_DEV void st16(void* p, vec16 v) { *static_cast<vec16*>(p) = v; }
+MOELAB_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+// ----------------------------------------------------------- number formats
+// bf16: the upper half of an f32 (widening is a shift); narrowing is formats.h's RNE.
+MOELAB_DEV float bf16_lo(uint32_t pair) { return __uint_as_float(pair << 16); }
+MOELAB_DEV float bf16_hi(uint32_t pair) { return __uint_as_float(pair & 0xffff0000u); }
+MOELAB_DEV float bf16_f32(uint16_t h) { return __uint_as_float(uint32_t(h) << 16); }
+// The rounding of formats.h's f32_to_bf16, with register bit casts (no memcpy).
+MOELAB_DEV uint16_t f32_bf16(float f) {
+  uint32_t u = __float_as_uint(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x0040u);   // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+// f16 through the hardware conversions (exact widening, RNE narrowing, as formats.h).
+MOELAB_DEV float f16_f32(uint16_t h) {
+#if MOELAB_HIP
+  return float(__builtin_bit_cast(_Float16, h));
+#else
+  return __half2float(__ushort_as_half(h));
+#endif
+}
+MOELAB_DEV uint16_t f32_f16(float f) {
+#if MOELAB_HIP
+  return __builtin_bit_cast(uint16_t, static_cast<_Float16>(f));
+#else
+  return __half_as_ushort(__float2half_rn(f));
+#endif
+}
+
+// Storage format -> f32 for one element at p (element index i).
+template <Fmt F> MOELAB_DEV float load_elem(const void* p, int64_t i) {
+  if constexpr (F == Fmt::kF32) return static_cast<const float*>(p)[i];
+  else if constexpr (F == Fmt::kBF16) return bf16_f32(static_cast<const uint16_t*>(p)[i]);
+  else return f16_f32(static_cast<const uint16_t*>(p)[i]);
+}
+template <Fmt F> MOELAB_DEV void store_elem(void* p, int64_t i, float v) {
+  if constexpr (F == Fmt::kF32) static_cast<float*>(p)[i] = v;
+  else if constexpr (F == Fmt::kBF16) static_cast<uint16_t*>(p)[i] = f32_bf16(v);
+  else static_cast<uint16_t*>(p)[i] = f32_f16(v);
+}
+
+// 8 consecutive elements from 16 bytes (bf16/f16) -> f32.
+template <Fmt F> MOELAB_DEV void unpack8(vec16 v, float* d) {
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    if constexpr (F == Fmt::kBF16) {
+      d[2 * i] = bf16_lo(w[i]);
+      d[2 * i + 1] = bf16_hi(w[i]);
+    } else {
+      d[2 * i] = f16_f32(uint16_t(w[i] & 0xffffu));
+      d[2 * i + 1] = f16_f32(uint16_t(w[i] >> 16));
+    }
+  }
+}
+// 4 f32 from 16 bytes.
+MOELAB_DEV void unpack4_f32(vec16 v, float* d) {
+  d[0] = __uint_as_float(v.x); d[1] = __uint_as_float(v.y);
+  d[2] = __uint_as_float(v.z); d[3] = __uint_as_float(v.w);
+}
+// Two f32 -> one 32-bit word of two narrow elements (element 0 in the low half).
+template <Fmt F> MOELAB_DEV uint32_t pack2(float a, float b) {
+  if constexpr (F == Fmt::kBF16) return uint32_t(f32_bf16(a)) | (uint32_t(f32_bf16(b)) << 16);
+  else return uint32_t(f32_f16(a)) | (uint32_t(f32_f16(b)) << 16);
+}
+
+// ------------------------------------------------- f32 arithmetic with no contraction
+// Each rounds once; the compiler may not fuse a mul_rn into a following add_rn (nvcc: the
+// __f*_rn intrinsics are never contracted; clang/HIP: contraction switched off here).
+MOELAB_DEV float mul_rn(float a, float b) {
+#if MOELAB_HIP
+#pragma clang fp contract(off)
+  return a * b;
+#else
+  return __fmul_rn(a, b);
+#endif
+}
+MOELAB_DEV float add_rn(float a, float b) {
+#if MOELAB_HIP
+#pragma clang fp contract(off)
+  return a + b;
+#else
+  return __fadd_rn(a, b);
+#endif
+}
+
+}  // namespace moelab::gpu
+
+// Kernel launch, written once for both compilers (and for the CPU emulator that tests run:
+// csrc/gpu/emu/, where a launch runs the threads as fibers).
+#ifndef MOELAB_LAUNCH
+#define MOELAB_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+// Dynamically sized shared memory (the launch's smem bytes).
+#ifndef MOELAB_EXTERN_SHARED
+#define MOELAB_EXTERN_SHARED(T, name) extern __shared__ T name[]
+#endif
+
+// Launch check inside a launcher: returns the runtime's error code (> 0) from the function.
+#if MOELAB_HIP
+#define MOELAB_GPU_LAUNCHED()                                   \
+  do {                                                          \
+    hipError_t moelab_e_ = hipGetLastError();                   \
+    if (moelab_e_ != hipSuccess) return static_cast<int>(moelab_e_); \
+  } while (0)
+#else
+#define MOELAB_GPU_LAUNCHED()                                    \
+  do {                                                           \
+    cudaError_t moelab_e_ = cudaGetLastError();                  \
+    if (moelab_e_ != cudaSuccess) return static_cast<int>(moelab_e_); \
+  } while (0)
+#endif

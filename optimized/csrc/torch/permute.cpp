@@ -1,0 +1,230 @@
+// Bindings of permute / unpermute (SPEC 2). Three ops:
+//   permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
+//       -> (offsets, hidden_out, src_row, dst_pos)                    fresh outputs
+//   permute_out(..., offsets!, hidden_out!, src_row!, dst_pos!, counts!) -> ()
+//       the same kernel writing into caller buffers (a PermuteScratch): no allocation.
+//       The buffers are positional (not keyword-only): parsing keywords costs ~0.7 us a call.
+//   unpermute(expert_out, weights, dst_pos) -> out
+// Everything the kernels rely on is re-checked here (a direct torch.ops.moelab call with
+// hostile arguments raises RuntimeError). The id / expert_map ranges are checked inside
+// permute_plan's histogram pass (no extra pass, no temporary tensors), dst_pos's range by
+// one serial pass before the parallel kernel.
+#include <climits>
+#include <sys/mman.h>
+#include <vector>
+
+#include "../cpu/permute.h"
+#include "common.h"
+
+namespace moelab {
+namespace {
+
+constexpr const char* kPermute = "permute";
+constexpr const char* kUnpermute = "unpermute";
+// Work per at::parallel_for task. Waking the second thread costs a few us, about what
+// copying 256 KB from L2 costs, so decode-sized calls stay on one thread (measured here: at
+// T=8, E=64, K=8, H=4096 bf16 (512 KB out) two threads were no faster; at T=64 (4 MB) 1.7x).
+constexpr int64_t kCopyGrainBytes = int64_t(512) << 10;       // permute: bytes written
+constexpr int64_t kGatherGrainBytes = int64_t(256) << 10;     // unpermute: bytes read
+
+// A fresh permute output is written in full right away, so its first-touch page faults are
+// a large part of the allocating path's cost at prefill sizes (a 32 MB output is 8192 4 KB
+// faults, ~10 ms here; glibc mmaps blocks above 32 MB afresh on every call). Asking for
+// transparent huge pages on its 2 MB-aligned interior turns that into 16 faults. Only for
+// outputs of 8 MB and more (the syscall is noise there); a no-op where THP is off, and
+// harmless on memory glibc serves from its heap. The scratch path never needs it.
+void advise_huge_pages(const at::Tensor& t) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  if (t.nbytes() < (size_t(8) << 20)) return;
+  const uintptr_t b = reinterpret_cast<uintptr_t>(t.data_ptr()), e = b + t.nbytes();
+  const uintptr_t hb = (b + kHuge - 1) & ~(kHuge - 1), he = e & ~(kHuge - 1);
+  if (he > hb) (void)madvise(reinterpret_cast<void*>(hb), he - hb, MADV_HUGEPAGE);
+#else
+  (void)t;
+#endif
+}
+
+Fmt fmt_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return Fmt::kBF16;
+    case at::kHalf: return Fmt::kF16;
+    default: return Fmt::kF32;
+  }
+}
+
+// Rows of a 2-D tensor are copied/read as contiguous runs of H elements.
+bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }
+
+// Every scratch/out buffer: CPU, the dtype, exactly the shape, contiguous.
+void check_out(const at::Tensor& t, const char* arg, at::ScalarType dtype, at::IntArrayRef shape) {
+  check_cpu(t, kPermute, arg, int64_t(shape.size()), {dtype});
+  MOELAB_CHECK(t.sizes() == shape, kPermute, arg, "must have shape ", shape, ", got ", t.sizes());
+}
+
+struct PermuteArgs {
+  int64_t T, H, K, E_loc, cap;
+};
+
+PermuteArgs check_permute_inputs(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                                 const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
+  check_cpu(hidden, kPermute, "hidden", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  MOELAB_CHECK(unit_inner_stride(hidden), kPermute, "hidden", "must have unit stride along H");
+  check_cpu(ids, kPermute, "ids", 2, {at::kInt, at::kLong}, /*contiguous=*/false);
+  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
+  MOELAB_CHECK(ids.size(0) == T, kPermute, "ids", "must have one row per token (", T, "), got ", ids.sizes());
+  MOELAB_CHECK(K >= 1, kPermute, "ids", "must have at least one column (top_k >= 1)");
+  MOELAB_CHECK(n_experts >= 1 && n_experts <= INT32_MAX, kPermute, "n_experts", "must be in [1, 2^31), got ",
+               n_experts);
+  MOELAB_CHECK(n_local >= 1 && n_local <= INT32_MAX, kPermute, "n_local_experts",
+               "must be in [1, 2^31), got ", n_local);
+  MOELAB_CHECK(align >= 1 && align <= INT32_MAX, kPermute, "align", "must be in [1, 2^31), got ", align);
+  if (expert_map.has_value()) {
+    check_cpu(*expert_map, kPermute, "expert_map", 1, {at::kInt}, /*contiguous=*/false);
+    MOELAB_CHECK(expert_map->size(0) == n_experts, kPermute, "expert_map", "must have n_experts = ", n_experts,
+                 " entries, got ", expert_map->size(0));
+  } else {
+    MOELAB_CHECK(n_local == n_experts, kPermute, "n_local_experts", "must equal n_experts = ", n_experts,
+                 " without an expert_map, got ", n_local);
+  }
+  // Positions and rows are int32 in the outputs; T*K and the capacity must fit.
+  MOELAB_CHECK(T <= INT32_MAX / K, kPermute, "ids", "T*K must be < 2^31, got T = ", T, ", K = ", K);
+  const int64_t cap = T * K + n_local * (align - 1);  // < 2^31 + 2^62: no int64 overflow
+  MOELAB_CHECK(cap <= INT32_MAX, kPermute, "align", "makes the capacity T*K + E_loc*(align-1) = ", cap,
+               " exceed 2^31 - 1");
+  return {T, H, K, n_local, cap};
+}
+
+void run_permute(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                 const std::optional<at::Tensor>& expert_map, const PermuteArgs& a, int64_t align,
+                 const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
+                 const at::Tensor& dst_pos, int64_t* counts) {
+  const int32_t* map = expert_map.has_value() ? expert_map->data_ptr<int32_t>() : nullptr;
+  const int64_t map_stride = expert_map.has_value() ? expert_map->stride(0) : 0;
+  int64_t bad = 0;
+  const int status = MOELAB_PICK(permute_plan)(
+      ids.data_ptr(), ids.scalar_type() == at::kLong, a.T, a.K, ids.stride(0), ids.stride(1), map, map_stride,
+      n_experts, a.E_loc, align, counts, offsets.data_ptr<int64_t>(),
+      src_row.data_ptr<int32_t>(), a.cap, dst_pos.data_ptr<int32_t>(), &bad);
+  MOELAB_CHECK(status != cpu::kPermuteBadId, kPermute, "ids", "holds ", bad, ", outside the valid range [-1, ",
+               n_experts, ")");
+  MOELAB_CHECK(status != cpu::kPermuteBadMap, kPermute, "expert_map", "holds ", bad,
+               ", outside the valid range [-1, ", a.E_loc, ")");
+  TORCH_CHECK(status == cpu::kPermuteOk, "moelab::permute: inconsistent ids between passes (status ", status,
+              "); are an input and an output sharing memory?");
+  if (a.cap == 0 || a.H == 0) return;
+  const int64_t es = hidden.element_size(), row_bytes = a.H * es;
+  const void* in = hidden.data_ptr();
+  const int64_t ld_bytes = hidden.stride(0) * es;
+  void* out = hidden_out.data_ptr();
+  const int32_t* src = src_row.data_ptr<int32_t>();
+  auto* rows = MOELAB_PICK(permute_rows);
+  const int64_t grain = std::max<int64_t>(1, kCopyGrainBytes / std::max<int64_t>(row_bytes, 1));
+  at::parallel_for(0, a.cap, grain, [&](int64_t p0, int64_t p1) {
+    rows(in, ld_bytes, out, row_bytes, src, a.K, p0, p1);
+  });
+}
+
+// The no-overlap rule of the out= path: an output may not share memory with an input or
+// another output (the kernel reads ids twice and uses counts/offsets as cursors). Checked on
+// the byte spans [first, last] each tensor can touch: a few integer compares, conservative
+// for interleaved strided views (which no PermuteScratch produces).
+struct Span {
+  const char* name;
+  uintptr_t lo, hi;  // hi exclusive; lo == hi for an empty tensor
+};
+Span span_of(const at::Tensor& t, const char* name) {
+  if (!t.defined() || t.numel() == 0) return {name, 0, 0};
+  int64_t last = 0;
+  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
+  return {name, lo, lo + uintptr_t((last + 1) * t.element_size())};
+}
+void check_disjoint(std::initializer_list<Span> ins, std::initializer_list<Span> outs) {
+  auto meet = [](const Span& a, const Span& b) { return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi; };
+  for (auto o = outs.begin(); o != outs.end(); ++o) {
+    for (const Span& i : ins)
+      MOELAB_CHECK(!meet(*o, i), kPermute, o->name, "must not share memory with input '", i.name, "'");
+    for (auto o2 = o + 1; o2 != outs.end(); ++o2)
+      MOELAB_CHECK(!meet(*o, *o2), kPermute, o->name, "must not share memory with output '", o2->name, "'");
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cpu(
+    const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts, const std::optional<at::Tensor>& expert_map,
+    int64_t n_local_experts, int64_t align) {
+  const PermuteArgs a = check_permute_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  const auto i64 = hidden.options().dtype(at::kLong), i32 = hidden.options().dtype(at::kInt);
+  at::Tensor offsets = at::empty({a.E_loc + 1}, i64);
+  at::Tensor hidden_out = at::empty({a.cap, a.H}, hidden.options());
+  advise_huge_pages(hidden_out);
+  at::Tensor src_row = at::empty({a.cap}, i32);
+  at::Tensor dst_pos = at::empty({a.T * a.K}, i32);
+  std::vector<int64_t> counts(size_t(a.E_loc));  // workspace (the scratch path brings its own)
+  run_permute(hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos, counts.data());
+  return {offsets, hidden_out, src_row, dst_pos};
+}
+
+void permute_out_cpu(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                     const std::optional<at::Tensor>& expert_map, int64_t n_local_experts, int64_t align,
+                     const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
+                     const at::Tensor& dst_pos, const at::Tensor& counts) {
+  const PermuteArgs a = check_permute_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  check_out(offsets, "offsets", at::kLong, {a.E_loc + 1});
+  check_out(hidden_out, "hidden_out", hidden.scalar_type(), {a.cap, a.H});
+  check_out(src_row, "src_row", at::kInt, {a.cap});
+  check_out(dst_pos, "dst_pos", at::kInt, {a.T * a.K});
+  check_out(counts, "counts", at::kLong, {a.E_loc});
+  check_disjoint({span_of(hidden, "hidden"), span_of(ids, "ids"),
+                  span_of(expert_map.has_value() ? *expert_map : at::Tensor(), "expert_map")},
+                 {span_of(offsets, "offsets"), span_of(hidden_out, "hidden_out"), span_of(src_row, "src_row"),
+                  span_of(dst_pos, "dst_pos"), span_of(counts, "counts")});
+  run_permute(hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos,
+              counts.data_ptr<int64_t>());
+}
+
+at::Tensor unpermute_cpu(const at::Tensor& expert_out, const at::Tensor& weights, const at::Tensor& dst_pos) {
+  check_cpu(expert_out, kUnpermute, "expert_out", 2, {at::kFloat, at::kBFloat16, at::kHalf}, false);
+  MOELAB_CHECK(unit_inner_stride(expert_out), kUnpermute, "expert_out", "must have unit stride along H");
+  check_cpu(weights, kUnpermute, "weights", 2, {at::kFloat}, /*contiguous=*/false);
+  check_cpu(dst_pos, kUnpermute, "dst_pos", 1, {at::kInt});
+  const int64_t rows = expert_out.size(0), H = expert_out.size(1), T = weights.size(0), K = weights.size(1);
+  MOELAB_CHECK(dst_pos.size(0) == T * K, kUnpermute, "dst_pos", "must have T*K = ", T * K, " entries, got ",
+               dst_pos.size(0));
+  const int32_t* pos = dst_pos.data_ptr<int32_t>();
+  for (int64_t i = 0; i < T * K; ++i)
+    MOELAB_CHECK(pos[i] >= -1 && pos[i] < rows, kUnpermute, "dst_pos", "holds ", pos[i],
+                 ", outside the valid range [-1, ", rows, ")");
+  at::Tensor out = at::empty({T, H}, expert_out.options());
+  if (T == 0 || H == 0) return out;
+  auto* fn = MOELAB_PICK(unpermute_tokens);
+  const void* eo = expert_out.data_ptr();
+  const int64_t ld = expert_out.stride(0), ldw_t = weights.stride(0), ldw_k = weights.stride(1);
+  const float* w = weights.data_ptr<float>();
+  void* o = out.data_ptr();
+  const Fmt fmt = fmt_of(expert_out);
+  const int64_t grain = std::max<int64_t>(1, kGatherGrainBytes / std::max<int64_t>(K * H * expert_out.element_size(), 1));
+  at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) {
+    fn(eo, fmt, ld, w, ldw_t, ldw_k, pos, K, H, o, t0, t1);
+  });
+  return out;
+}
+
+const int kRegistered = register_op_level(kPermute, cpu::Isa::kAvx512) + register_op_level(kUnpermute, cpu::Isa::kAvx512);
+
+}  // namespace
+}  // namespace moelab
+
+TORCH_LIBRARY_FRAGMENT(moelab, m) {
+  m.def("permute(Tensor hidden, Tensor ids, int n_experts, Tensor? expert_map, int n_local_experts, int align)"
+        " -> (Tensor offsets, Tensor hidden_out, Tensor src_row, Tensor dst_pos)");
+  m.def("permute_out(Tensor hidden, Tensor ids, int n_experts, Tensor? expert_map, int n_local_experts, "
+        "int align, Tensor(a!) offsets, Tensor(b!) hidden_out, Tensor(c!) src_row, Tensor(d!) dst_pos, "
+        "Tensor(e!) counts) -> ()");
+  m.def("unpermute(Tensor expert_out, Tensor weights, Tensor dst_pos) -> Tensor");
+}
+TORCH_LIBRARY_IMPL(moelab, CPU, m) {
+  m.impl("permute", &moelab::permute_cpu);
+  m.impl("permute_out", &moelab::permute_out_cpu);
+  m.impl("unpermute", &moelab::unpermute_cpu);
+}

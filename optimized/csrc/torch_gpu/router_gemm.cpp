@@ -1,0 +1,29 @@
+// CUDA/ROCm implementation of moelab::router_gemm (schema in csrc/torch/router_gemm.cpp).
+#include "common.h"
+
+namespace moelab::gpu_binding {
+namespace {
+constexpr const char* kOp = "router_gemm";
+
+at::Tensor router_gemm_cuda(const at::Tensor& x, const at::Tensor& weight) {
+  check_gpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  MOELAB_CHECK(x.size(0) == 0 || x.size(1) <= 1 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
+  check_gpu(weight, kOp, "weight", 2, {at::kFloat}, /*contiguous=*/true, &x);
+  const int64_t T = x.size(0), H = x.size(1), E = weight.size(0);
+  MOELAB_CHECK(H >= 1 && weight.size(1) == H, kOp, "weight", "must have shape (E, ", H, "), got ", weight.sizes());
+  MOELAB_CHECK(E >= 1, kOp, "weight", "must have E >= 1 rows");
+  const c10::cuda::CUDAGuard guard(x.device());
+  at::Tensor out = at::empty({T, E}, x.options().dtype(at::kFloat));
+  if (T == 0) return out;
+  // Rows closer than H elements (an expanded x) are copied; a single row needs no stride.
+  const at::Tensor xr = (T > 1 && x.stride(0) < H) || (H > 1 && x.stride(1) != 1) ? x.contiguous() : x;
+  const int64_t ldx = T > 1 ? xr.stride(0) : H;
+  check_launch(gpu::router_gemm_launch(xr.data_ptr(), fmt_of(xr), ldx, weight.data_ptr<float>(), H,
+                                       out.data_ptr<float>(), T, H, E, current_stream()),
+               kOp);
+  return out;
+}
+}  // namespace
+}  // namespace moelab::gpu_binding
+
+TORCH_LIBRARY_IMPL(moelab, CUDA, m) { m.impl("router_gemm", &moelab::gpu_binding::router_gemm_cuda); }

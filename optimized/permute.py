@@ -1,0 +1,143 @@
+"""optimized.permute / unpermute / PermuteScratch (SPEC 2; seed 003, vLLM's permute scratch).
+
+Same contract as reference.permute: see csrc/cpu/permute_kernel.h for the kernels (a stable
+counting sort, then parallel wide row copies; a no-FMA f32 weighted gather back) and their
+floors. Every output is bit-identical to the reference's.
+
+The scratch path allocates nothing: `PermuteScratch` here holds every buffer the kernel
+touches, the outputs and the expert histogram (`counts`), and `permute(..., scratch=s)`
+runs torch.ops.moelab.permute_out, which writes into views of those buffers. The views of
+each token count are made once and kept in the scratch, so a decode step costs no tensor
+allocation at all (tests/test_permute_optimized.py counts allocator events to check it).
+
+Validation: reference.validate checks everything but the index ranges up front; the ranges
+(ids, expert_map, dst_pos) are checked by the C++ kernels on their own pass over the data
+(no reductions, no temporaries). When the kernel reports one, the reference's full check
+runs again so the error is the same ValueError the reference raises.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+import importlib
+
+_ref = importlib.import_module("reference.permute")  # the module: reference/__init__ rebinds `reference.permute` to the function
+from reference import validate
+from reference.permute import Permuted
+from reference.validate import capacity
+
+from . import dispatch, gpu
+
+__all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
+
+# The overloads themselves: skips the packet's overload lookup on every call.
+_permute_op = torch.ops.moelab.permute.default
+_permute_out_op = torch.ops.moelab.permute_out.default
+_unpermute_op = torch.ops.moelab.unpermute.default
+
+
+class PermuteScratch(_ref.PermuteScratch):
+    """reference.PermuteScratch plus the kernel's workspace, so a call allocates nothing.
+
+    Same constructor, attributes and fit rule (validate.check_scratch_fits) as
+    reference.permute.PermuteScratch. Extra buffer: counts [n_local_experts] int64, the
+    histogram / cursors of the counting sort (on a GPU: the GPU sort's workspace, one
+    histogram per unit of rows, optimized.gpu.permute_counts_numel elements). Buffer contents
+    between calls are unspecified; the views a call returns stay valid until the next call
+    with this scratch.
+    """
+
+    def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,
+                 dtype: torch.dtype, device, *, n_local_experts: Optional[int] = None,
+                 align: int = 1) -> None:
+        super().__init__(max_tokens, top_k, n_experts, hidden_size, dtype, device,
+                         n_local_experts=n_local_experts, align=align)
+        n = self.n_local_experts
+        if self.device.type == "cuda" and gpu.available():
+            n = gpu.permute_counts_numel(self.max_tokens * self.top_k, self.n_local_experts)
+        self.counts = torch.empty(n, dtype=torch.int64, device=self.device)
+        self._views: dict[int, tuple[Permuted, tuple]] = {}
+
+    def views(self, T: int) -> tuple[Permuted, tuple]:
+        """For a call with T tokens: the Permuted of views it returns, and the five buffers the
+        op writes (offsets, hidden, src_row, dst_pos, counts). Made once per T and kept."""
+        v = self._views.get(T)
+        if v is None:
+            cap = capacity(T, self.top_k, self.n_local_experts, self.align)
+            out = Permuted(self.offsets, self.hidden[:cap], self.src_row[:cap], self.dst_pos[:T * self.top_k])
+            v = self._views[T] = (out, (*out, self.counts))
+        return v
+
+
+@torch.library.register_fake("moelab::permute")
+def _permute_fake(hidden, ids, n_experts, expert_map, n_local_experts, align):
+    T, H = hidden.shape
+    cap = capacity(T, ids.shape[1], n_local_experts, align)
+    return (hidden.new_empty(n_local_experts + 1, dtype=torch.int64), hidden.new_empty(cap, H),
+            hidden.new_empty(cap, dtype=torch.int32), hidden.new_empty(T * ids.shape[1], dtype=torch.int32))
+
+
+@torch.library.register_fake("moelab::permute_out")
+def _permute_out_fake(hidden, ids, n_experts, expert_map, n_local_experts, align, offsets,
+                      hidden_out, src_row, dst_pos, counts):
+    return None
+
+
+@torch.library.register_fake("moelab::unpermute")
+def _unpermute_fake(expert_out, weights, dst_pos):
+    return expert_out.new_empty(weights.shape[0], expert_out.shape[1])
+
+
+def _unit_inner(t: torch.Tensor) -> torch.Tensor:
+    """Rows must be contiguous runs (the kernels copy/read whole rows); copy only if not."""
+    if t.stride(1) != 1 and t.numel() and t.shape[1] > 1:
+        return t.contiguous()
+    return t
+
+
+def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
+            expert_map: Optional[torch.Tensor] = None, n_local_experts: Optional[int] = None,
+            align: int = 1, scratch: Optional[PermuteScratch] = None) -> Permuted:
+    """Same contract as reference.permute (a stable counting sort of the rows by expert).
+
+    With `scratch` (an optimized.PermuteScratch) the outputs are views of its buffers and
+    nothing is allocated. Raises ValueError as the reference does ("permute: argument ..."),
+    and for a scratch that is not an optimized.PermuteScratch.
+    """
+    E_loc = validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align, ranges=False)
+    if scratch is not None:
+        if not isinstance(scratch, PermuteScratch):
+            validate.fail("permute", "scratch", "must be an optimized.PermuteScratch (it holds the kernel's "
+                                                f"workspace too) or None, got {type(scratch).__qualname__}")
+        validate.check_scratch_fits(scratch, hidden, ids, n_experts, E_loc, align)
+    if dispatch.permute_decision(hidden, ids, n_experts).kernel != "moelab":
+        return _ref.permute(hidden, ids, n_experts, expert_map=expert_map, n_local_experts=n_local_experts,
+                            align=align, scratch=scratch)
+    hidden = _unit_inner(hidden)
+    try:
+        if scratch is None:
+            return Permuted(*_permute_op(hidden, ids, n_experts, expert_map, E_loc, align))
+        out, buffers = scratch.views(hidden.shape[0])
+        _permute_out_op(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
+        return out
+    except RuntimeError:
+        # The kernel found an index out of range: word it as the reference does.
+        validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
+        raise
+
+
+def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
+    """Same contract as reference.unpermute, bit for bit (f32, j ascending, no FMA)."""
+    validate.check_unpermute(expert_out, weights, dst_pos, ranges=False)
+    if dispatch.unpermute_decision(expert_out, weights, dst_pos).kernel != "moelab":
+        return _ref.unpermute(expert_out, weights, dst_pos)
+    expert_out = _unit_inner(expert_out)
+    if not dst_pos.is_contiguous():
+        dst_pos = dst_pos.contiguous()
+    try:
+        return _unpermute_op(expert_out, weights, dst_pos)
+    except RuntimeError:
+        validate.check_unpermute(expert_out, weights, dst_pos)
+        raise

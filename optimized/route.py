@@ -1,0 +1,60 @@
+"""optimized.route: top-k expert selection on the CPU (SPEC section 1), backed by
+torch.ops.moelab.route; csrc/cpu/route_kernel.h describes the algorithm and its cost.
+
+Same signature, validation and results as reference.route: ids are identical wherever the
+keys are (the tie rule is exact, on every ISA level, for any thread count and batch). The
+kernel's sigmoid/softmax keys are within one ulp of the reference's exactly rounded ones
+(~96% identical); where that reorders two keys an ulp apart, the ids differ by a near-tie
+flip (reference.route's docstring), never for exactly equal keys. Weights: within 1-2 ulps
+(p, s, softmax over the selected), up to ~4 after a normalization by their sum.
+
+The op itself, for direct use (same checks, RuntimeError naming the argument):
+    torch.ops.moelab.route(logits, top_k, method, bias=None, scaling=1.0, renormalize=False,
+                           n_group=1, topk_group=1) -> (weights, ids)
+with method given by name.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from reference.validate import check_route
+
+from . import dispatch
+
+_op = torch.ops.moelab.route.default
+
+
+@torch.library.register_fake("moelab::route")
+def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=False, n_group=1,
+                topk_group=1):
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.float32),
+            logits.new_empty((T, top_k), dtype=torch.int32))
+
+
+def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch.Tensor] = None,
+          n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
+          renormalize: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as reference.route: (weights [T, K] f32, ids [T, K] int32).
+
+    Validation is reference.validate.check_route (ValueError naming the argument). CPU
+    tensors run the moelab kernel; other devices take dispatch.route_fallback. Logits with
+    a row stride (a column slice of a wider matrix) are read in place; a non-unit stride
+    along E, or a strided bias, is copied first.
+    """
+    check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize)
+    if not logits.is_cpu:
+        return dispatch.route_fallback(logits, top_k, method, bias=bias, n_group=n_group,
+                                       topk_group=topk_group, scaling=scaling, renormalize=renormalize)
+    # Layouts are the binding's business (strided rows read in place, other strides copied).
+    # Arguments left at the schema's defaults are not passed: each one costs ~0.1 us of
+    # argument parsing in the dispatcher, which is most of a decode step's route call.
+    if n_group != 1 or topk_group != 1:
+        return _op(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group)
+    if renormalize:
+        return _op(logits, top_k, method, bias, 1.0, True)
+    if scaling != 1.0:
+        return _op(logits, top_k, method, bias, float(scaling))
+    return _op(logits, top_k, method, bias)

@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# One command for a lent GPU machine (torch + CUDA, nvcc, no downloads), repo copied there:
+#
+#   OUT=/some/folder bash scripts/gpu_check.sh
+#
+# 1. environment (GPU, driver, torch, CUDA)        -> $OUT/env.txt
+# 2. build the CPU and the CUDA extension           (import optimized; moelab_gpu must load)
+# 3. torch.library.opcheck of every op on CUDA, and each GPU kernel against the CPU kernel
+#                                                   -> $OUT/opcheck.csv
+# 4. python -m verify --backends cuda --budget 120  -> $OUT/verify/
+# 5. timings vs the eager-PyTorch way and the seeds' "before" paths, CUDA graphs, with the
+#    measured copy bandwidth and launch cost as floors -> $OUT/gpu_bench.csv, gpu_env.csv
+# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit so the whole
+# run stays within ~8 minutes on an H200; a failing step is recorded and the next one still
+# runs; the exit status is non-zero if any step failed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+: "${OUT:?set OUT to the folder for the results}"
+mkdir -p "$OUT"
+exec > >(tee -a "$OUT/gpu_check.log") 2>&1
+
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export MOELAB_BUILD_DIR="${MOELAB_BUILD_DIR:-$PWD/build}"
+export MAX_JOBS="${MAX_JOBS:-$(nproc)}"
+# Build for the GPU that is here (e.g. "9.0" on an H200), not for every architecture.
+if [[ -z "${TORCH_CUDA_ARCH_LIST:-}" ]]; then
+  TORCH_CUDA_ARCH_LIST=$($PY -c "import torch; c = torch.cuda.get_device_capability(); print(f'{c[0]}.{c[1]}')")
+  export TORCH_CUDA_ARCH_LIST
+fi
+
+failed=()
+start=$(date +%s)
+step() { echo; echo "== [$(date +%T), +$(( $(date +%s) - start )) s] $*"; }
+run_step() {   # run_step NAME SECONDS CMD...
+  local name=$1 secs=$2; shift 2
+  step "$name (limit ${secs} s)"
+  if timeout --kill-after=10 "$secs" "$@"; then echo "-- $name: ok"; else
+    local rc=$?; echo "-- $name: FAILED (exit $rc)"; failed+=("$name"); fi
+}
+
+step "environment"
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "nvidia-smi: n/a"
+  $PY -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'hip', torch.version.hip, 'device', torch.cuda.get_device_name())"
+  nvcc --version 2>/dev/null | tail -1 || true
+  echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST MAX_JOBS=$MAX_JOBS"
+  git log -1 --format='commit %H %s' 2>/dev/null || true
+} | tee "$OUT/env.txt"
+
+run_step build 240 $PY -c "
+import time; t = time.time()
+import optimized
+from optimized import gpu
+assert gpu.available(), 'moelab_gpu did not load (torch.version.cuda/hip and nvcc/hipcc required)'
+print('built and loaded in %.0f s:' % (time.time() - t), optimized.backend_info(), gpu.info())"
+
+if [[ " ${failed[*]-} " == *" build "* ]]; then
+  echo "build failed: nothing else can run"; exit 1
+fi
+run_step opcheck 90 $PY scripts/gpu_opcheck.py --out "$OUT"
+run_step verify 170 $PY -m verify --backends cuda --budget 120 --report "$OUT/verify"
+run_step bench 120 $PY -m experiments.gpu_bench --out "$OUT"
+
+step "done in $(( $(date +%s) - start )) s"
+if (( ${#failed[@]} )); then echo "FAILED steps: ${failed[*]}"; exit 1; fi
+echo "all steps passed"

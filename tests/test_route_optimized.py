@@ -1,0 +1,453 @@
+"""optimized.route (the moelab CPU kernel) against reference.route, at every ISA level.
+
+What must hold (SPEC section 1, tolerance model):
+- ids: exactly the reference's wherever the keys are computed identically (topk_softmax,
+  llama4: the keys are the logits) and for every exact tie (equal logits, NaN, +-inf,
+  -0.0 vs +0.0, underflow to 0). Where the key is softmax/sigmoid, the kernel's exp may
+  differ from the reference's exactly rounded one by about an ulp; a differing id is then
+  accepted only as a near-tie flip: the two keys (reference's own values) are within
+  NEAR_TIE_ULPS of each other, and such rows are rare.
+- weights: within a few f32 ulps of the reference (WEIGHT_ULPS; NaN where it has NaN).
+- bit-identical results on every ISA level, for 1 and 2 threads, for repeated calls and
+  whatever else shares the batch.
+- every reference error input raises the same ValueError; hostile direct calls of
+  torch.ops.moelab.route raise RuntimeError naming the argument; opcheck and
+  torch.compile(fullgraph=True) work.
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import optimized
+from reference.route import route as reference_route, selection_keys
+from optimized import dispatch
+from tests.test_route_reference import ERROR_CASES
+
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4")
+BIASED = ("sigmoid_bias", "grouped_sigmoid_bias")
+EXACT_KEY_METHODS = ("topk_softmax", "llama4")          # keys are the logits themselves
+ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NEAR_TIE_ULPS = 4
+WEIGHT_ULPS = {"softmax_topk": 2, "topk_softmax": 2, "sigmoid_topk": 2, "llama4": 2,
+               "sigmoid_bias": 6, "grouped_sigmoid_bias": 6}
+RENORM_WEIGHT_ULPS = 6
+op = torch.ops.moelab.route.default
+
+
+@pytest.fixture(params=ISA_LEVELS)
+def isa(request):
+    optimized.set_isa(request.param)
+    yield request.param
+    optimized.set_isa("avx512_bf16")
+
+
+# ----------------------------------------------------------------------------- helpers
+def ordered_bits(w: torch.Tensor) -> torch.Tensor:
+    """f32 -> int64 whose differences count ulps (monotone across zero)."""
+    i = w.contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(i < 0, -(i & 0x7FFFFFFF), i)
+
+
+def ulp_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (ordered_bits(a) - ordered_bits(b)).abs()
+
+
+def make_kwargs(method, E, g, bias_dtype=torch.float32, n_group=None, topk_group=None, scaling=None,
+                renormalize=False):
+    kw = {}
+    if method in BIASED:
+        kw["bias"] = (torch.randn(E, generator=g) * 0.3).to(bias_dtype)
+        kw["scaling"] = 2.5 if scaling is None else scaling
+    if method == "grouped_sigmoid_bias":
+        kw["n_group"], kw["topk_group"] = n_group, topk_group
+    if renormalize:
+        kw["renormalize"] = True
+    return kw
+
+
+def fit_k(method, E, K, kw):
+    if method == "llama4":
+        return 1
+    K = min(K, E)
+    if method == "grouped_sigmoid_bias":
+        K = min(K, kw["topk_group"] * (E // kw["n_group"]))
+    return K
+
+
+def group_kwargs(E):
+    """A grouping of E (DeepSeek-V3-like where it divides), or None when E cannot be grouped."""
+    if E > 1024 or E < 2:
+        return None
+    for ng in (8, 4, 2, 1):
+        if E % ng == 0 and E // ng >= 2:
+            return dict(n_group=ng, topk_group=max(1, ng // 2))
+    return None
+
+
+_REF_CACHE: dict = {}
+
+
+def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
+    """ids equal (or documented near-tie flips); weights within WEIGHT_ULPS. Returns flips.
+    cache_key: the inputs are a deterministic function of it; the reference's answer is then
+    computed once for all ISA levels."""
+    if cache_key is None or cache_key not in _REF_CACHE:
+        out = reference_route(x, K, method, **kw)
+        if cache_key is not None:
+            _REF_CACHE[cache_key] = out
+    w0, i0 = out if cache_key is None else _REF_CACHE[cache_key]
+    w1, i1 = optimized.route(x, K, method, **kw)
+    assert w1.dtype == torch.float32 and i1.dtype == torch.int32
+    assert w1.shape == i1.shape == (x.shape[0], K)
+    assert w1.is_contiguous() and i1.is_contiguous()
+    same = (i0 == i1).all(dim=1)
+    flips = int((~same).sum())
+    if flips:
+        assert allow_flips, f"{method}: {flips} rows with different ids, e.g. {i0[~same][0]} vs {i1[~same][0]}"
+        assert_near_tie_flips(x, K, method, kw, i0, i1)
+        assert flips <= max(1, x.shape[0] // 100), f"{method}: {flips} near-tie flips in {x.shape[0]} rows"
+    tol = RENORM_WEIGHT_ULPS if kw.get("renormalize") else WEIGHT_ULPS[method]
+    nan0, nan1 = torch.isnan(w0[same]), torch.isnan(w1[same])
+    assert torch.equal(nan0, nan1)
+    d = ulp_dist(w0[same][~nan0], w1[same][~nan0])
+    assert d.numel() == 0 or int(d.max()) <= tol, f"{method}: weights {int(d.max())} ulps apart"
+    return flips
+
+
+def assert_near_tie_flips(x, K, method, kw, i0, i1):
+    """Every row where i1 differs from the reference's i0 must be a near-tie flip: valid
+    distinct ids, and at each differing slot the two experts' reference keys within
+    NEAR_TIE_ULPS (grouped: or the group scores at the kept/dropped boundary that close)."""
+    keys = selection_keys(x, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1))
+    for t in torch.nonzero((i0 != i1).any(dim=1)).flatten().tolist():
+        a, b = i0[t].long(), i1[t].long()
+        assert len(set(b.tolist())) == K and int(b.min()) >= 0 and int(b.max()) < x.shape[1]
+        gap = int(ulp_dist(keys[t, a], keys[t, b])[a != b].max())
+        if method == "grouped_sigmoid_bias" and gap > NEAR_TIE_ULPS:
+            gap = group_score_gap(x[t:t + 1], kw)
+        assert gap <= NEAR_TIE_ULPS, f"{method}: row {t} differs with a key gap of {gap} ulps"
+
+
+def test_near_tie_classification_can_fail():
+    """The flip check accepts a swap of two keys one ulp apart and rejects any other swap."""
+    x = torch.tensor([[0.0, 3.0, 2.0, -1.0]])
+    x[0, 2] = torch.nextafter(x[0, 1], torch.tensor(0.0))          # one ulp below expert 1
+    i0 = torch.tensor([[1, 2]], dtype=torch.int32)
+    assert_near_tie_flips(x, 2, "topk_softmax", {}, i0, torch.tensor([[2, 1]], dtype=torch.int32))
+    for bad in ([[1, 0]], [[0, 1]], [[1, 1]], [[1, 7]]):
+        with pytest.raises((AssertionError, IndexError)):
+            assert_near_tie_flips(x, 2, "topk_softmax", {}, i0, torch.tensor(bad, dtype=torch.int32))
+
+
+def group_score_gap(x_row, kw):
+    """Smallest ulp gap between the topk_group-th and the next group score of one row."""
+    keys = selection_keys(x_row, "sigmoid_bias", kw["bias"])[0]
+    ng, tg = kw["n_group"], kw["topk_group"]
+    top2 = keys.view(ng, -1).topk(2, dim=-1).values.sum(-1)
+    s = top2.sort(descending=True).values
+    if tg >= ng:
+        return 0
+    return int(ulp_dist(s[tg - 1:tg], s[tg:tg + 1])[0])
+
+
+# --------------------------------------------------------------- random differential
+SHAPES = [  # (T, E, K): T on tile boundaries, E around the 16- and 8-lane chunks
+    (1, 1, 1), (3, 2, 2), (7, 7, 2), (17, 16, 8), (16, 16, 16), (33, 64, 8), (9, 64, 32),
+    (65, 256, 8), (20, 256, 16), (31, 896, 16), (12, 896, 32), (8, 2048, 32), (5, 2048, 1),
+    (4, 17, 16), (6, 33, 32), (2, 129, 2),
+]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_logits_match_reference(isa, method):
+    g = torch.Generator().manual_seed(1000 + METHODS.index(method))
+    flips = 0
+    for n, (T, E, K) in enumerate(SHAPES):
+        gk = group_kwargs(E)
+        if method == "grouped_sigmoid_bias" and gk is None:
+            continue
+        kw = make_kwargs(method, E, g, bias_dtype=(torch.bfloat16 if n % 2 else torch.float32),
+                         **(gk or {}) if method == "grouped_sigmoid_bias" else {},
+                         renormalize=(n % 3 == 0 and method in ("softmax_topk", "sigmoid_topk", "topk_softmax")))
+        Kf = fit_k(method, E, K, kw)
+        for dt in DTYPES:
+            x = (torch.randn(T, E, generator=g) * (1.0 + 3.0 * (n % 3))).to(dt)
+            flips += check_against_reference(x, Kf, method, kw, allow_flips=method not in EXACT_KEY_METHODS,
+                                             cache_key=("random", method, n, str(dt)))
+    assert flips <= 2
+
+
+@pytest.mark.parametrize("method", ["softmax_topk", "sigmoid_topk", "sigmoid_bias"])
+def test_near_tie_flips_are_rare_on_many_rows(method):
+    """2048 rows of DeepSeek/Qwen-sized routing at the top level: flips (if any) are near ties."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(2048, 256, generator=g)
+    kw = make_kwargs(method, 256, g)
+    assert check_against_reference(x, 8, method, kw, allow_flips=True) <= 20
+
+
+# ------------------------------------------------------------------ engineered rows
+def special_rows(E, g):
+    """Rows whose keys tie exactly or are far apart, so ids must match with no flips:
+    a coarse grid (many exact ties), NaN, +-inf, -0.0 next to +0.0, and logits far enough
+    below the max that softmax/sigmoid underflow to exactly 0 (a tie at 0)."""
+    rows = [torch.round(torch.randn(E, generator=g) * 2) / 4,                    # grid of 0.25
+            torch.zeros(E),                                                       # all tied
+            torch.full((E,), -0.0)]
+    r = torch.round(torch.randn(E, generator=g) * 2) / 4
+    r[torch.arange(E) % 3 == 1] = float("nan")
+    rows.append(r)
+    r = torch.round(torch.randn(E, generator=g) * 2) / 4
+    r[torch.arange(E) % 4 == 2] = float("inf")
+    r[torch.arange(E) % 5 == 3] = float("-inf")
+    rows.append(r)
+    r = torch.zeros(E)
+    r[torch.arange(E) % 2 == 0] = -0.0
+    rows.append(r)
+    r = -200.0 - torch.round(torch.rand(E, generator=g) * 8)                     # underflow ties
+    r[E // 2] = 0.0
+    rows.append(r)
+    rows.append(torch.full((E,), float("-inf")))
+    rows.append(torch.full((E,), float("nan")))
+    r = torch.round(torch.randn(E, generator=g) * 2) / 4
+    r[-1] = float("nan")
+    rows.append(r)
+    return torch.stack(rows)
+
+
+# grouped routing needs E % n_group == 0, E / n_group >= 2 and E <= 1024: E = 1 and 2048 are
+# outside its contract (their errors are tested with the error inputs).
+TIE_CASES = [(m, E) for m in METHODS for E in (1, 2, 7, 16, 64, 256, 896, 2048)
+             if m != "grouped_sigmoid_bias" or group_kwargs(E) is not None]
+
+
+@pytest.mark.parametrize("method,E", TIE_CASES)
+def test_exact_ties_and_special_values(isa, method, E):
+    g = torch.Generator().manual_seed(E)
+    gk = group_kwargs(E)
+    for dt in DTYPES:
+        x = special_rows(E, g).to(dt)
+        for K in sorted({1, 2, 8, 16, 32}):
+            if K > E:
+                continue
+            kw = make_kwargs(method, E, g, **(gk or {}) if method == "grouped_sigmoid_bias" else {})
+            if method in BIASED:   # a bias on the same coarse grid: exact ties survive s + bias
+                kw["bias"] = torch.round(torch.randn(E, generator=g) * 2) / 8
+            Kf = fit_k(method, E, K, kw)
+            check_against_reference(x, Kf, method, kw, allow_flips=False,
+                                    cache_key=("ties", method, E, str(dt), K))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_equal_logits_anywhere_tie_by_index(isa, method):
+    """The same value at every position of a long row (any chunk, any tail lane): ids 0..K-1."""
+    for E in (17, 100, 2048):
+        kw = make_kwargs(method, E, torch.Generator().manual_seed(1),
+                         **group_kwargs(min(E, 1024)) if method == "grouped_sigmoid_bias" else {})
+        if method == "grouped_sigmoid_bias" and E > 1024:
+            continue
+        if method in BIASED:
+            kw["bias"] = torch.zeros(E)
+        K = fit_k(method, E, 16, kw)
+        for v in (0.3, -7.0, 0.0):
+            _, ids = optimized.route(torch.full((3, E), v), K, method, **kw)
+            assert ids.tolist() == [list(range(K))] * 3
+
+
+def test_large_top_value_late_in_row():
+    """Order keys of the whole row count: the best expert last, the rest increasing."""
+    x = torch.arange(2048, dtype=torch.float32).unsqueeze(0) / 64
+    _, ids = optimized.route(x, 32, "topk_softmax")
+    assert ids.tolist() == [list(range(2047, 2015, -1))]
+    _, ids = optimized.route(-x, 32, "topk_softmax")
+    assert ids.tolist() == [list(range(32))]
+
+
+# ------------------------------------------------------------------ determinism
+def random_case(method, T, E, K, seed):
+    g = torch.Generator().manual_seed(seed)
+    kw = make_kwargs(method, E, g, **group_kwargs(E) if method == "grouped_sigmoid_bias" else {})
+    return torch.randn(T, E, generator=g).bfloat16(), fit_k(method, E, K, kw), kw
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_isa_levels_bit_identical(method):
+    x, K, kw = random_case(method, 97, 896 if method != "grouped_sigmoid_bias" else 256, 16, 3)
+    x = torch.cat([x, special_rows(x.shape[1], torch.Generator().manual_seed(2)).bfloat16()])
+    outs = []
+    try:
+        for level in ISA_LEVELS:
+            optimized.set_isa(level)
+            outs.append(optimized.route(x, K, method, **kw))
+    finally:
+        optimized.set_isa("avx512_bf16")
+    for w, i in outs[1:]:
+        assert torch.equal(i, outs[0][1])
+        assert torch.equal(w.view(torch.int32), outs[0][0].view(torch.int32))
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_threads_repeats_and_batch_invariance(method):
+    E = 256
+    grain = max(1, dispatch.ROUTE_GRAIN_ELEMS // E)
+    x, K, kw = random_case(method, 4 * grain + 3, E, 8, 5)
+    prev = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        w1, i1 = optimized.route(x, K, method, **kw)
+        torch.set_num_threads(2)
+        w2, i2 = optimized.route(x, K, method, **kw)
+        w3, i3 = optimized.route(x, K, method, **kw)
+    finally:
+        torch.set_num_threads(prev)
+    for w, i in ((w2, i2), (w3, i3)):
+        assert torch.equal(i, i1) and torch.equal(w.view(torch.int32), w1.view(torch.int32))
+    for t in (0, 5, x.shape[0] - 1):   # a token alone gives the bits it gets in the batch
+        w, i = optimized.route(x[t:t + 1], K, method, **kw)
+        assert torch.equal(i[0], i1[t]) and torch.equal(w[0].view(torch.int32), w1[t].view(torch.int32))
+
+
+def test_strided_logits_and_bias_read_in_place():
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(40, 300, generator=g).bfloat16()
+    x = wide[:, 10:266]                       # row stride 300, unit column stride
+    bias_wide = torch.randn(512, generator=g)
+    bias = bias_wide[::2]                     # non-contiguous bias
+    a = optimized.route(x, 8, "sigmoid_bias", bias=bias, scaling=2.5)
+    b = optimized.route(x.contiguous(), 8, "sigmoid_bias", bias=bias.contiguous(), scaling=2.5)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    xt = torch.randn(256, 40, generator=g).t()  # stride along E != 1: copied first
+    a = optimized.route(xt, 8, "softmax_topk")
+    b = optimized.route(xt.contiguous(), 8, "softmax_topk")
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+    a = op(xt, 8, "sigmoid_bias", bias, 2.5)      # the op itself takes any layout
+    b = op(xt.contiguous(), 8, "sigmoid_bias", bias.contiguous(), 2.5)
+    assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_empty_batch(method):
+    E = 16
+    kw = make_kwargs(method, E, torch.Generator().manual_seed(0),
+                     **group_kwargs(E) if method == "grouped_sigmoid_bias" else {})
+    K = fit_k(method, E, 4, kw)
+    for dt in DTYPES:
+        w, i = optimized.route(torch.empty(0, E, dtype=dt), K, method, **kw)
+        assert w.shape == i.shape == (0, K) and w.dtype == torch.float32 and i.dtype == torch.int32
+
+
+# ----------------------------------------------------------------------- errors
+@pytest.mark.parametrize("desc,args,kwargs,arg", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+def test_reference_error_inputs_raise_the_same(desc, args, kwargs, arg):
+    with pytest.raises(ValueError) as ei:
+        optimized.route(*args, **kwargs)
+    msg = str(ei.value)
+    assert msg.startswith("route") and f"'{arg}'" in msg, msg
+
+
+def Z(*shape, dtype=torch.float32):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+HOSTILE = [
+    # (description, op args, argument named in the RuntimeError)
+    ("logits float64", (Z(2, 8, dtype=torch.float64), 2, "softmax_topk"), "logits"),
+    ("logits int32", (Z(2, 8, dtype=torch.int32), 2, "softmax_topk"), "logits"),
+    ("logits 1-D", (Z(8), 2, "softmax_topk"), "logits"),
+    ("logits 3-D", (Z(1, 2, 8), 2, "softmax_topk"), "logits"),
+    ("E = 0", (Z(2, 0), 1, "softmax_topk"), "logits"),
+    ("E > 2048", (Z(1, 2049), 2, "softmax_topk"), "logits"),
+    ("K = 0", (Z(2, 8), 0, "softmax_topk"), "top_k"),
+    ("K < 0", (Z(2, 8), -3, "softmax_topk"), "top_k"),
+    ("K > E", (Z(2, 8), 9, "softmax_topk"), "top_k"),
+    ("K > 32", (Z(2, 64), 33, "topk_softmax"), "top_k"),
+    ("K huge", (Z(2, 64), 1 << 40, "topk_softmax"), "top_k"),
+    ("llama4 K = 2", (Z(2, 8), 2, "llama4"), "top_k"),
+    ("unknown method", (Z(2, 8), 2, "softmax"), "method"),
+    ("bias missing", (Z(2, 8), 2, "sigmoid_bias"), "bias"),
+    ("bias with softmax_topk", (Z(2, 8), 2, "softmax_topk", Z(8)), "bias"),
+    ("bias too short", (Z(2, 8), 2, "sigmoid_bias", Z(7)), "bias"),
+    ("bias 2-D", (Z(2, 8), 2, "sigmoid_bias", Z(1, 8)), "bias"),
+    ("bias float16", (Z(2, 8), 2, "sigmoid_bias", Z(8, dtype=torch.float16)), "bias"),
+    ("bias int64", (Z(2, 8), 2, "sigmoid_bias", Z(8, dtype=torch.int64)), "bias"),
+    ("scaling inf", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("inf")), "scaling"),
+    ("scaling NaN", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("nan")), "scaling"),
+    ("scaling with softmax", (Z(2, 8), 2, "softmax_topk", None, 2.0), "scaling"),
+    ("renormalize with sigmoid_bias", (Z(2, 8), 2, "sigmoid_bias", Z(8), 1.0, True), "renormalize"),
+    ("n_group with sigmoid_bias", (Z(2, 8), 2, "sigmoid_bias", Z(8), 1.0, False, 2, 1), "n_group"),
+    ("topk_group with softmax", (Z(2, 8), 2, "softmax_topk", None, 1.0, False, 1, 2), "topk_group"),
+    ("grouped E % n_group", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 3, 1), "n_group"),
+    ("grouped n_group = 0", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 0, 1), "n_group"),
+    ("grouped n_group > 32", (Z(2, 66), 2, "grouped_sigmoid_bias", Z(66), 1.0, False, 33, 1), "n_group"),
+    ("grouped groups of 1", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 8, 1), "n_group"),
+    ("grouped topk_group > n_group", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 2, 3), "topk_group"),
+    ("grouped topk_group = 0", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 2, 0), "topk_group"),
+    ("grouped K too large", (Z(2, 8), 3, "grouped_sigmoid_bias", Z(8), 1.0, False, 4, 1), "top_k"),
+    ("grouped E > 1024", (Z(1, 1026), 2, "grouped_sigmoid_bias", Z(1026), 1.0, False, 2, 1), "logits"),
+]
+
+
+@pytest.mark.parametrize("desc,args,arg", HOSTILE, ids=[c[0] for c in HOSTILE])
+def test_hostile_direct_calls_raise(desc, args, arg):
+    with pytest.raises(RuntimeError) as ei:
+        op(*args)
+    msg = str(ei.value)
+    assert "moelab::route" in msg and f"'{arg}'" in msg, msg
+
+
+# --------------------------------------------------------------- torch integration
+def test_opcheck():
+    g = torch.Generator().manual_seed(11)
+    samples = [
+        (torch.randn(5, 64, generator=g), 8, "softmax_topk"),
+        (torch.randn(3, 256, generator=g).bfloat16(), 8, "sigmoid_bias", torch.randn(256, generator=g), 2.5),
+        (torch.randn(4, 64, generator=g).half(), 4, "grouped_sigmoid_bias", torch.randn(64, generator=g).bfloat16(),
+         1.0, False, 8, 4),
+        (torch.randn(0, 16, generator=g), 1, "llama4"),
+        (torch.randn(2, 16, generator=g), 4, "sigmoid_topk", None, 1.0, True),
+    ]
+    for args in samples:
+        torch.library.opcheck(op, args)
+
+
+def test_torch_compile_fullgraph():
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(9, 256, generator=g).bfloat16()
+    bias = torch.randn(256, generator=g)
+
+    def moe_route(logits, bias):
+        w, ids = optimized.route(logits, 8, "sigmoid_bias", bias=bias, scaling=2.5)
+        return w * 2, ids
+
+    compiled = torch.compile(moe_route, fullgraph=True, dynamic=False)
+    w, ids = compiled(x, bias)
+    w0, i0 = optimized.route(x, 8, "sigmoid_bias", bias=bias, scaling=2.5)
+    assert torch.equal(ids, i0) and torch.equal(w, w0 * 2)
+
+
+def test_dispatch_explains_route():
+    d = dispatch.explain("route", torch.zeros(4, 256), 8, "sigmoid_bias")
+    assert d.op == "route" and d.kernel == "moelab" and "calling thread" in d.reason
+    big = dispatch.explain("route", torch.zeros(4096, 256), 8, "sigmoid_bias")
+    assert "tasks of" in big.reason
+    assert optimized.backend_info()["route"] in ISA_LEVELS
+    meta = torch.zeros(4, 64, device="meta")
+    assert "meta kernel" in dispatch.explain("route", meta, 8, "softmax_topk").reason
+    w, ids = optimized.route(meta, 8, "softmax_topk")           # shapes only
+    assert w.shape == ids.shape == (4, 8) and w.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+def test_weights_bound_the_reference_math_by_hand():
+    """A tiny case checked against plain-float math (not the reference): sigmoid_bias picks by
+    s + bias, weights s * scaling / sum(s)."""
+    x = torch.tensor([[0.0, 2.0, -1.0, 1.0]])
+    bias = torch.tensor([0.0, -5.0, 2.0, 0.0])
+    w, ids = optimized.route(x, 2, "sigmoid_bias", bias=bias, scaling=2.0)
+    s = [1 / (1 + math.exp(-v)) for v in (0.0, 2.0, -1.0, 1.0)]
+    assert ids.tolist() == [[2, 3]]
+    want = [2.0 * s[2] / (s[2] + s[3]), 2.0 * s[3] / (s[2] + s[3])]
+    assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(w[0].tolist(), want))
