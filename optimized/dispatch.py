@@ -161,7 +161,8 @@ def _dtype_name(t) -> str:
 
 
 def unquantized_gemm_kernel(x, weight) -> str:
-    """The kernel optimized.unquantized_gemm runs (the hot path: no reason string)."""
+    """The kernel optimized.unquantized_gemm runs (the hot path: no reason string on CPU;
+    on a CUDA/ROCm device the GPU policy below decides)."""
     if x.device.type == "cuda":
         return gpu_decision("unquantized_gemm", x, weight).kernel
     if x.device.type != "cpu" or x.dtype not in _SKINNY_TORCH_DTYPES:
