@@ -1,0 +1,398 @@
+"""fused_experts (seed 000): decode bandwidth, prefill GFLOP/s and the per-block dispatch grid.
+
+Three entry points:
+  * `cases(quick)` for `python -m experiments.bench --ops fused_experts`: decode points
+    against the eager way with pre-dequantized bf16 weights (a Python loop over the routed
+    experts, F.linear, the activation in torch, index_add_), prefill points against a dense
+    bf16 matmul of the same work (target: ratio >= 0.5, i.e. >= 50% of its GFLOP/s).
+  * `dispatch_grid(...)`: rows of the dispatch experiment (shape x batch size x concentrated
+    routing x policy), for the notebook.
+  * `python -m experiments.cases_fused_experts [--quick] [--grid] [--csv DIR]`: every target
+    of issue 5 with GB/s, GFLOP/s, the read bandwidth measured in the same run and a verdict.
+
+Shapes: Qwen3-30B-A3B (fp8_block, E=128, K=8, H=2048, I=768, silu), GPT-OSS-20B (mxfp4,
+E=32, K=4, H=I=2880, swiglu_oai with biases) and, our choice for the grid, OLMoE-1B-7B
+(bf16, E=64, K=8, H=2048, I=1024). Weights are random codes of the format (values do not
+change the speed), prepacked once (`optimized.prepack_moe_weights`), and rotate through
+cold copies (experiments.timing.Rotating) so every call reads its experts from memory.
+Bytes read = the routed experts' quantized weights and scales only. Data for one shape at
+a time is kept (the copies take ~1-4 GB).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+
+import torch
+import torch.nn.functional as F
+
+import optimized
+from optimized.tune import random_weights
+
+from . import timing
+from .bench import Case
+from .timing import Rotating
+
+SHAPES = {
+    "qwen3-30b-a3b": dict(E=128, K=8, H=2048, I=768, quant="fp8_block", activation="silu", bias=False),
+    "gpt-oss-20b": dict(E=32, K=4, H=2880, I=2880, quant="mxfp4", activation="swiglu_oai", bias=True),
+    "olmoe-1b-7b": dict(E=64, K=8, H=2048, I=1024, quant="bf16", activation="silu", bias=False),
+}
+POLICIES = ("tiny", "blocked", "global", "per_block", "auto")
+GRID_T = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+GRID_DISTS = ("hot_expert", "all_to_one")
+
+
+# --------------------------------------------------------------------------- routing
+def routing(dist: str, T: int, E: int, K: int, seed: int = 0, p: float = 0.9):
+    """(topk_weights [T, K] f32, topk_ids [T, K] int32), distinct experts per token.
+
+    uniform: K random experts per token. hot_expert: a fraction p of the tokens pick one hot
+    expert (in slot 0), the other slots and tokens uniform. all_to_one: every token picks the
+    same K experts. (The names and meanings of verify.distributions.)"""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]) if T else \
+        torch.zeros(0, K, dtype=torch.int64)
+    if dist == "all_to_one" and T:
+        ids[:] = torch.randperm(E, generator=g)[:K]
+    elif dist == "hot_expert" and T:
+        hot = int(torch.randint(E, (1,), generator=g))
+        for t in torch.nonzero(torch.rand(T, generator=g) < p).flatten().tolist():
+            row = ids[t]
+            j = torch.nonzero(row == hot).flatten()
+            if j.numel():
+                row[j[0]] = row[0]
+            row[0] = hot
+    elif dist != "uniform":
+        raise ValueError(f"routing: argument 'dist' must be uniform, hot_expert or all_to_one; got {dist!r}")
+    w = torch.rand(T, K, generator=g)
+    return w / w.sum(1, keepdim=True).clamp(min=1e-9), ids.to(torch.int32)
+
+
+# ------------------------------------------------------------------------ the data
+class ShapeData:
+    """Prepacked weights (rotating cold copies), biases, and optionally pre-dequantized bf16
+    weights for the eager baseline (rotating too)."""
+
+    def __init__(self, name: str, eager: bool):
+        s = SHAPES[name]
+        self.name, self.s = name, s
+        E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
+        w13, w2, s13, s2 = random_weights(q, 1, H, I)
+        self.expert_bytes = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
+        seeds = iter(range(1000))
+
+        self.packed = Rotating(lambda: self._packed(q, E, H, I, next(seeds)), E * self.expert_bytes)
+        g = torch.Generator().manual_seed(7)
+        self.b13 = torch.randn(E, 2 * I, generator=g) * 0.1 if s["bias"] else None
+        self.b2 = torch.randn(E, H, generator=g) * 0.1 if s["bias"] else None
+        self.eager = None
+        if eager:
+            def make_bf16():
+                gg = torch.Generator().manual_seed(next(seeds))
+                W13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
+                W2 = torch.empty(E, H, I, dtype=torch.bfloat16)
+                for e in range(E):
+                    W13[e] = (torch.randn(2 * I, H, generator=gg) / H ** 0.5).bfloat16()
+                    W2[e] = (torch.randn(H, I, generator=gg) / I ** 0.5).bfloat16()
+                return W13, W2
+            self.eager = Rotating(make_bf16, E * 6 * H * I)
+            self.eb13 = None if self.b13 is None else self.b13.bfloat16()
+            self.eb2 = None if self.b2 is None else self.b2.bfloat16()
+
+    @staticmethod
+    def _packed(q, E, H, I, seed):
+        w13, w2, s13, s2 = random_weights(q, E, H, I, seed=seed)
+        return optimized.prepack_moe_weights(w13, w2, q, s13, s2)
+
+    def ours(self, x, tw, ids, dispatch="auto"):
+        s = self.s
+        return optimized.fused_experts(x, self.packed.next(), None, tw, ids, quant=s["quant"],
+                                       w13_bias=self.b13, w2_bias=self.b2, activation=s["activation"],
+                                       dispatch=dispatch)
+
+    def eager_call(self, x, tw, ids):
+        W13, W2 = self.eager.next()
+        return eager_moe(x, W13, W2, tw, ids, self.s["activation"], self.eb13, self.eb2)
+
+    def routed_bytes(self, ids) -> int:
+        return int(torch.unique(ids[ids >= 0]).numel()) * self.expert_bytes
+
+    def flops(self, ids) -> float:
+        return 2.0 * int((ids >= 0).sum()) * 3 * self.s["H"] * self.s["I"]
+
+
+def eager_moe(x, W13, W2, tw, ids, activation, b13=None, b2=None, alpha=1.702, limit=7.0):
+    """The eager PyTorch way with pre-dequantized bf16 weights: a loop over routed experts."""
+    T, H = x.shape
+    I = W2.shape[2]
+    out = torch.zeros(T, H, dtype=torch.float32)
+    flat = ids.flatten()
+    for e in torch.unique(flat[flat >= 0]).tolist():
+        tok, slot = torch.nonzero(ids == e, as_tuple=True)
+        h = F.linear(x[tok], W13[e], None if b13 is None else b13[e])
+        if activation == "silu":
+            a = F.silu(h[:, :I]) * h[:, I:]
+        else:
+            g = h[:, 0::2].clamp(max=limit)
+            a = g * torch.sigmoid(alpha * g) * (h[:, 1::2].clamp(-limit, limit) + 1)
+        y = F.linear(a, W2[e], None if b2 is None else b2[e])
+        out.index_add_(0, tok, y.float() * tw[tok, slot].unsqueeze(1))
+    return out.bfloat16()
+
+
+_current: dict = {}
+
+
+def shape_data(name: str, eager: bool) -> ShapeData:
+    """One shape's data at a time (built on first use, the previous one released)."""
+    d = _current.get(name)
+    if d is None or (eager and d.eager is None):
+        _current.clear()
+        d = _current[name] = ShapeData(name, eager)
+    return d
+
+
+class _Lazy:
+    """A callable that builds its shape's data on first call (so `cases()` allocates nothing)."""
+
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
+
+    def __call__(self):
+        return self.fn(shape_data(self.name, eager=True))
+
+
+# --------------------------------------------------------------------------- cases
+DECODE = (("qwen3-30b-a3b", (1, 4, 16), 1.3), ("gpt-oss-20b", (1, 4), None))
+PREFILL_T = 512
+
+
+def _x(T, H, seed=3):
+    return torch.randn(T, H, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def decode_points(quick: bool):
+    """(shape, T, tw, ids, target) of the decode targets (uniform routing)."""
+    out = []
+    for name, Ts, target in DECODE:
+        s = SHAPES[name]
+        for T in (Ts[:2] if quick else Ts):
+            tw, ids = routing("uniform", T, s["E"], s["K"], seed=T)
+            out.append((name, T, tw, ids, target))
+    return out
+
+
+def prefill_dense(d: ShapeData, rows: int):
+    """A dense bf16 matmul of the same work as `rows` routed rows: [rows, H] x [H, 2I], then
+    [rows, I] x [I, H] (weights of one expert, so nothing but the GEMMs)."""
+    H, I = d.s["H"], d.s["I"]
+    g = torch.Generator().manual_seed(5)
+    X = torch.randn(rows, H, generator=g).bfloat16()
+    A = torch.randn(rows, I, generator=g).bfloat16()
+    W1 = (torch.randn(2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    W2 = (torch.randn(H, I, generator=g) / I ** 0.5).bfloat16()
+    return lambda: (F.linear(X, W1), F.linear(A, W2))
+
+
+def cases(quick: bool):
+    out = []
+    for name, T, tw, ids, target in decode_points(quick):
+        s = SHAPES[name]
+        x = _x(T, s["H"])
+        nbytes = int(torch.unique(ids).numel()) * _expert_bytes(name)
+        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T}",
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
+                        nbytes=nbytes, target=target))
+    if not quick:
+        for name in ("qwen3-30b-a3b", "gpt-oss-20b"):
+            s = SHAPES[name]
+            tw, ids = routing("uniform", PREFILL_T, s["E"], s["K"], seed=1)
+            x = _x(PREFILL_T, s["H"])
+            dense = {}
+
+            def eager(d, rows=PREFILL_T * s["K"], name=name):
+                if name not in dense:
+                    dense[name] = prefill_dense(d, rows)
+                return dense[name]()
+
+            out.append(Case("fused_experts", f"prefill {name} T={PREFILL_T} (vs dense bf16)",
+                            _Lazy(name, eager), _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
+                            nbytes=s["E"] * _expert_bytes(name), target=0.5))
+    return out
+
+
+def _expert_bytes(name: str) -> int:
+    s = SHAPES[name]
+    H, I = s["H"], s["I"]
+    return {"bf16": 6 * H * I, "fp8_block": 3 * H * I + 4 * (-(-2 * I // 128) * -(-H // 128) + -(-H // 128) * -(-I // 128)),
+            "mxfp4": 3 * H * I // 2 + 3 * H * I // 32}[s["quant"]]
+
+
+# ------------------------------------------------------------------------ the grid
+def dispatch_grid(shapes=("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"), batch_sizes=GRID_T,
+                  dists=GRID_DISTS, policies=POLICIES, rounds: int = 3, min_time: float = 0.02,
+                  progress=None) -> list[dict]:
+    """Per (shape, T, dist): each policy's median time (interleaved rounds, cold weights),
+    per_block / global speedup and auto against the best fixed policy. Returns rows."""
+    rows = []
+    for name in shapes:
+        d = shape_data(name, eager=False)
+        s = d.s
+        for dist in dists:
+            for T in batch_sizes:
+                tw, ids = routing(dist, T, s["E"], s["K"], seed=T)
+                x = _x(T, s["H"])
+                t = timing.compare({p: (lambda p=p: d.ours(x, tw, ids, p)) for p in policies},
+                                   rounds=rounds, min_time=min_time)
+                row = {"shape": name, "quant": s["quant"], "T": T, "dist": dist,
+                       "avg_m": max(1, T * s["K"] // s["E"])}
+                for p in policies:
+                    row[f"{p}_us"] = t[p].median * 1e6
+                row["per_block_vs_global"] = timing.ratio(t["global"], t["per_block"])[0]
+                fixed = [p for p in ("tiny", "blocked", "global", "per_block") if p in policies]
+                best = min(fixed, key=lambda p: t[p].median)
+                row["best_fixed"] = best
+                row["auto_vs_best"] = timing.ratio(t[best], t["auto"])[0] if "auto" in policies else float("nan")
+                rows.append(row)
+                if progress:
+                    progress(row)
+    return rows
+
+
+def geomean(v):
+    v = list(v)
+    return math.exp(sum(math.log(a) for a in v) / len(v)) if v else float("nan")
+
+
+# -------------------------------------------------------------------------- report
+def best_read_bandwidth(nbytes: int = 256 << 20, rounds: int = 9) -> float:
+    """Read bandwidth from the fastest of several large f32 sums: on a shared machine other
+    processes only ever slow a round down, so the best round is the least disturbed one (the
+    same statistic as the `best` columns of run_targets)."""
+    import time
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
+def run_targets(quick: bool, rounds: int):
+    """Every target of issue 5. Per point: interleaved rounds (timing.compare); speedup = the
+    median of per-round ratios; GB/s and the bandwidth fraction from the median time against
+    timing.read_bandwidth() (median), and, as `best`, from the fastest round against the
+    fastest read-bandwidth round (best_read_bandwidth)."""
+    bw, bw_best = timing.read_bandwidth(), best_read_bandwidth()
+    rows = []
+
+    def row(point, t, base, nbytes, fl, target, met_fn, **extra):
+        sp = timing.ratio(t[base], t["ours"])
+        med, best = t["ours"].median, min(t["ours"].times)
+        r = {"point": point, "ours_us": med * 1e6, "ours_best_us": best * 1e6, "ours_iqr_us": t["ours"].iqr * 1e6,
+             "base_us": t[base].median * 1e6, "base_best_us": min(t[base].times) * 1e6,
+             "speedup": sp[0], "speedup_min": sp[1], "speedup_max": sp[2],
+             "speedup_best": min(t[base].times) / best,
+             "GBps": nbytes / med / 1e9, "bw_frac": nbytes / med / bw,
+             "GBps_best": nbytes / best / 1e9, "bw_frac_best": nbytes / best / bw_best,
+             "GFLOPs": fl / med / 1e9, "target": target, **extra}
+        r["met"] = met_fn(r)
+        rows.append(r)
+
+    for name, T, tw, ids, target in decode_points(quick):
+        d = shape_data(name, eager=True)
+        x = _x(T, d.s["H"])
+        t = timing.compare({"eager": lambda: d.eager_call(x, tw, ids), "ours": lambda: d.ours(x, tw, ids)},
+                           rounds=rounds)
+        row(f"decode {name} T={T}", t, "eager", d.routed_bytes(ids), d.flops(ids),
+            "bw>=60%" + (f", >={target}x eager" if target else ""),
+            lambda r, target=target: r["bw_frac"] >= 0.6 and (target is None or r["speedup"] >= target))
+    if not quick:
+        for name in ("qwen3-30b-a3b", "gpt-oss-20b"):
+            d = shape_data(name, eager=False)
+            s = d.s
+            tw, ids = routing("uniform", PREFILL_T, s["E"], s["K"], seed=1)
+            x = _x(PREFILL_T, s["H"])
+            dense = prefill_dense(d, PREFILL_T * s["K"])
+            t = timing.compare({"dense": dense, "ours": lambda: d.ours(x, tw, ids)}, rounds=max(3, rounds // 2),
+                               min_time=0.2)
+            fl = d.flops(ids)
+            row(f"prefill {name} T={PREFILL_T}", t, "dense", s["E"] * d.expert_bytes, fl,
+                ">=50% of dense GFLOP/s", lambda r: r["speedup"] >= 0.5,
+                dense_GFLOPs=fl / t["dense"].median / 1e9)
+    return bw, bw_best, rows
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m experiments.cases_fused_experts", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--grid", action="store_true", help="also run the 27-point dispatch grid (x2 routings)")
+    p.add_argument("--no-targets", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--csv", default=None, help="folder for fused_experts_targets.csv / _grid.csv")
+    a = p.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    m = timing.machine()
+    print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
+    if not a.no_targets:
+        bw, bw_best, rows = run_targets(a.quick, a.rounds)
+        print(f"read bandwidth (same run): {bw / 1e9:.1f} GB/s median, {bw_best / 1e9:.1f} GB/s best round; "
+              f"load average {_loadavg()}")
+        print(f"{'point':<30}{'ours us':>9}{'(best)':>8}{'base us':>9}{'speedup (min..max)':>22}{'GB/s':>7}"
+              f"{'bw':>5}{'best':>6}{'GFLOP/s':>9}  target")
+        for r in rows:
+            print(f"{r['point']:<30}{r['ours_us']:>9.0f}{r['ours_best_us']:>8.0f}{r['base_us']:>9.0f}"
+                  f"{r['speedup']:>9.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
+                  f"{r['GBps']:>7.1f}{r['bw_frac']:>5.0%}{r['bw_frac_best']:>6.0%}{r['GFLOPs']:>9.1f}  "
+                  f"{'ok' if r['met'] else 'MISS'} {r['target']}"
+                  + (f" (dense {r['dense_GFLOPs']:.0f} GFLOP/s)" if "dense_GFLOPs" in r else ""))
+        _write(a.csv, "fused_experts_targets.csv", rows)
+    if a.grid:
+        _current.clear()
+
+        def show(r):
+            print(f"{r['shape']:<15}{r['dist']:<12}T={r['T']:<4} avg_m={r['avg_m']:<3} " +
+                  " ".join(f"{q}={r[f'{q}_us']:.0f}" for q in POLICIES) +
+                  f"  per_block/global={r['per_block_vs_global']:.2f} auto/best({r['best_fixed']})="
+                  f"{r['auto_vs_best']:.2f}", flush=True)
+
+        grid = dispatch_grid(batch_sizes=GRID_T[::2] if a.quick else GRID_T, rounds=3, progress=show)
+        for dist in GRID_DISTS:
+            sub = [r for r in grid if r["dist"] == dist]
+            print(f"{dist}: per_block vs global geomean {geomean(r['per_block_vs_global'] for r in sub):.3f} "
+                  f"over {len(sub)} points; auto worst vs best fixed {min(r['auto_vs_best'] for r in sub):.3f}")
+        print(f"all: per_block vs global geomean {geomean(r['per_block_vs_global'] for r in grid):.3f}; "
+              f"auto >3% slower than the best fixed at {sum(r['auto_vs_best'] < 0.97 for r in grid)} of {len(grid)}")
+        _write(a.csv, "fused_experts_grid.csv", grid)
+    return 0
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def _write(folder, fname, rows):
+    if not folder or not rows:
+        return
+    import csv
+    import os
+    os.makedirs(folder, exist_ok=True)
+    with open(os.path.join(folder, fname), "w", newline="") as f:
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        w = csv.DictWriter(f, fieldnames=names, restval="")
+        w.writeheader()
+        w.writerows(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+// fused_experts' CPU kernels, declared at each ISA level (see isa_dispatch.h), and the
+// ISA-independent description of one GEMM pass that the binding hands them.
+// Torch-free: raw pointers and sizes; the binding (csrc/torch/fused_experts.cpp) checks the
+// tensors, groups the rows (permute_plan) and runs the passes through at::parallel_for.
+// The algorithm, layout and costs are in docs/fused_experts.md and fused_experts_kernel.h.
+#pragma once
+#include <cstdint>
+
+#include "../common/formats.h"
+#include "fused_experts_pack.h"
+#include "isa_dispatch.h"
+
+namespace moelab::cpu {
+
+// Which micro-kernel an expert block takes (decided in optimized/dispatch.py).
+enum FePolicy : int {
+  kFeAllTiny = 0,      // every block: tiny
+  kFeAllBlocked = 1,   // every block: blocked
+  kFePerBlock = 2,     // block of m rows: blocked iff m >= m_cross
+};
+
+// One GEMM pass (GEMM1: x -> h, or GEMM2: a -> y) over work items (expert, 64-column tile).
+// Rows of expert e are p in [offsets[e], offsets[e+1]) of `a` and `out`.
+struct FeGemm {
+  int quant;                 // fe::Quant
+  bool packed;               // w / scale in the prepacked layout (fused_experts_pack.h)
+  const uint8_t* w;          // packed: [E][N16 * group_bytes]; standard: [E][N][row bytes]
+  const void* scale;         // fp8: f32 [E][ceil(N/128)][ceil(K/128)]; mxfp4: packed
+                             // [E][N16][K/32][16] or standard [E][N][K/32] bytes; bf16: null
+  const uint8_t* slow;       // packed only: [E][n_tiles] "needs the exact decoder" flags
+  int64_t N, K;              // output features, input features (logical)
+  const uint16_t* a;         // bf16 rows, lda elements apart, lda >= 2*ceil(K/2), zero padded
+  int64_t lda;
+  const void* bias;          // [E][N] or null
+  int bias_bf16;             // bias dtype: 0 f32, 1 bf16
+  bool out_bf16;             // GEMM1: round to bf16; GEMM2: f32
+  void* out;                 // rows ldo elements apart
+  int64_t ldo;
+  const int64_t* offsets;    // [E+1]
+  const int32_t* items;      // [n_items][2] = (expert, tile)
+  int policy;                // FePolicy
+  int64_t m_cross;
+};
+
+}  // namespace moelab::cpu
+
+// Work items [i0, i1) of one GEMM pass. scratch: fe::scratch_bytes(quant, K) bytes, owned
+// by the calling thread for the duration of the call.
+MOELAB_CPU_KERNEL(void, fused_experts_gemm,
+                  (const moelab::cpu::FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratch))
+
+// Rows [p0, p1) of the activation: h[p] (2I bf16, ldh apart) -> a[p] (I bf16, lda apart;
+// a[p][I] is zeroed when lda > I, the pad of an odd I). act: 0 silu, 1 swiglu_oai.
+MOELAB_CPU_KERNEL(void, fused_experts_act,
+                  (const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t I, int act,
+                   float alpha, float limit, int64_t p0, int64_t p1))

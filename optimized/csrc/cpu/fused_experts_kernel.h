@@ -1,0 +1,592 @@
+// fused_experts: the two GEMM passes and the activation of the expert MLPs (SPEC 5).
+// Design, layout and costs: docs/fused_experts.md. In short:
+//
+// A work item is (expert e, tile of 64 output columns) of one GEMM pass; its rows are the
+// expert's block p in [offsets[e], offsets[e+1]) (m rows, grouped by permute_plan). Two
+// micro-kernels, chosen per block by the policy the binding passes (FePolicy):
+//   tiny:    per chunk of <= 4 rows, decode the tile's 4 weight vectors (16 columns x 2 k
+//            each) in registers for every k pair and feed them to the rows (16 f32
+//            accumulators); a larger block decodes the tile again per chunk.
+//   blocked: decode the tile once into a per-thread bf16 VNNI buffer (tagged with
+//            (weights, expert, first group, groups) and checked before reuse), then a
+//            6-row x 4-vector register block (24 accumulators) streams it for every 6 rows.
+// Both decode through the same functions (so the same bf16 weight bits) and run the same dp
+// sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
+// blocked and every policy give bit-identical results at one ISA level, for any batch and
+// any thread count: the kernel is batch invariant.
+//
+// Decoders (fast paths at avx512 levels; the exact scalar decoder at avx2/scalar and for
+// tiles flagged by fe::tile_needs_slow):
+//   fp8:   bytes -> sign-extended words -> (w << 7) & 0xbf80 = f16 bits of e4m3 * 2^-8 ->
+//          vcvtph2ps -> * (scale * 256) in f32 (= f32(q) * scale, rounded once) -> bf16 RNE
+//          (vcvtne2ps2bf16 at avx512_bf16, integer RNE at avx512).
+//   mxfp4: one 32-byte chunk -> vpmovzxbw -> low / high nibbles -> vpermw table of e2m1 bf16
+//          patterns -> add (s - 127) << 7 to the exponent of nonzero codes (exact for s in
+//          [2, 252], the fast-path condition).
+//   exact: bf16_rne(f32(e4m3(q)) * scale) / bf16_rne(e2m1(c) * 2^(s-127)) per element
+//          (formats.h); an odd K's padding k is exactly 0.
+//
+// Floors (per call, 2 threads; ~30-55 GB/s, ~420 GFLOP/s bf16 through torch):
+//   bytes >= the routed experts' quantized weights (+ scales): Qwen3-30B-A3B fp8 T=1:
+//   8 experts x 4.72 MB = 37.7 MB -> 1.26 ms at 30 GB/s; GPT-OSS-20B mxfp4 T=1: 4 x 13.2 MB
+//   = 52.9 MB -> 1.76 ms. flops = 2 * rows * 3 * H * I: Qwen3 T=512 (4096 rows) 38.7 GFLOP
+//   -> 92 ms at 420 GFLOP/s; GPT-OSS T=512 (2048 rows) 102 GFLOP -> 243 ms.
+#include "fused_experts.h"  // declarations, FeGemm and the packed layout, before the ISA pragma
+
+#include "isa_begin.h"
+#include "fused_experts_simd.h"
+
+namespace moelab::cpu::MOELAB_ISA_NS {
+namespace {
+
+using namespace fe_simd;
+using fe::group_bytes;
+using fe::k2;
+
+constexpr int kTinyRows = 4;
+constexpr int kBlockedRows = 6;
+constexpr int64_t kWholeK = int64_t(1) << 60;
+
+// ----------------------------------------------------------------------------- decoders
+// A decoder yields, for group g (of the NG it covers) and pair kk, kStep weight vectors
+// (pairs kk .. kk+kStep-1). begin_block(b) is called before the pairs of scale block b
+// (kBlockPairs pairs each).
+
+// bf16 in VNNI order already (bf16 weights, or the blocked path's dequantized buffer).
+struct LoadDec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = kWholeK;
+  const uint16_t* base;
+  int64_t gstride;   // elements between groups
+  void begin_block(int64_t) {}
+  void get(int g, int64_t kk, W32* w) const { w[0] = w_load(base + g * gstride + kk * 32); }
+};
+
+// The exact element-by-element decoder (formats.h). q: fe::kFP8 or fe::kMXFP4.
+struct ExactDec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = kWholeK;
+  int q;
+  const uint8_t* w;          // tile's first group
+  int64_t gb;                // bytes per group
+  int64_t K;
+  const float* srow;         // fp8: the tile's row of 128-blocks of scales
+  const uint8_t* ms;         // mxfp4: the tile's packed scales (first group)
+  int64_t sgb;               // mxfp4: scale bytes per group
+  void begin_block(int64_t) {}
+  void get(int g, int64_t kk, W32* out) const {
+    alignas(64) uint16_t v[32];
+    if (q == fe::kFP8) {
+      const uint8_t* p = w + g * gb + kk * 32;
+      for (int i = 0; i < 32; ++i) {
+        const int64_t k = 2 * kk + (i & 1);
+        v[i] = k < K ? f32_to_bf16(e4m3_to_f32(p[i]) * srow[k / fe::kFp8Block]) : uint16_t(0);
+      }
+    } else {
+      const uint8_t* p = w + g * gb + (kk / 2) * 32;
+      const int half = int(kk & 1);
+      const uint8_t* s = ms + g * sgb;
+      for (int i = 0; i < 32; ++i) {
+        const uint8_t code = half ? uint8_t(p[i] >> 4) : uint8_t(p[i] & 0x0f);
+        const int64_t k = 2 * kk + (i & 1);
+        const uint8_t sc = s[(k / fe::kMxBlock) * fe::kGroupN + (i >> 1)];
+        v[i] = f32_to_bf16(e2m1_to_f32(code) * e8m0_to_f32(sc));
+      }
+    }
+    out[0] = w_load(v);
+  }
+};
+
+#if MOELAB_ISA_LEVEL >= 2
+inline __m512i narrow_pair(__m512 lo, __m512 hi) {
+#if MOELAB_ISA_LEVEL == 3
+  return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+#else
+  return _mm512_inserti64x4(_mm512_castsi256_si512(narrow_bf16(vf{lo})), narrow_bf16(vf{hi}), 1);
+#endif
+}
+
+// fp8 fast path. The tile's 64 columns lie in one 128-row scale block, so one scale per
+// 128-k block serves all groups.
+struct Fp8Dec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  const uint8_t* w;
+  int64_t gb;
+  const float* srow;
+  __m512 sv;
+  void begin_block(int64_t b) { sv = _mm512_set1_ps(srow[b] * 256.0f); }
+  void get(int g, int64_t kk, W32* out) const {
+    __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + kk * 32)));
+    __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(int16_t(0xbf80)));
+    __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sv);
+    __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sv);
+    out[0].v = narrow_pair(lo, hi);
+  }
+};
+
+// mxfp4 fast path: one 32-byte chunk holds pairs kk (low nibbles) and kk+1 (high nibbles).
+template <int NG>
+struct Mx4Dec {
+  static constexpr int kStep = 2;
+  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  const uint8_t* w;
+  int64_t gb;
+  const uint8_t* ms;
+  int64_t sgb;
+  __m512i lut;
+  __m512i ev[NG];   // per column: (s - 127) << 7 in both 16-bit halves of its dword
+  void init() {
+    lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                           int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000),
+                           int16_t(0xBFC0), int16_t(0xBF80), int16_t(0xBF00), int16_t(0x8000),
+                           0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000);
+  }
+  void begin_block(int64_t b) {
+    for (int g = 0; g < NG; ++g) {
+      __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ms + g * sgb + b * fe::kGroupN)));
+      __m512i e = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(127)), 7),
+                                   _mm512_set1_epi32(0xffff));
+      ev[g] = _mm512_or_si512(e, _mm512_slli_epi32(e, 16));
+    }
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + (kk / 2) * 32)));
+    __m512i c0 = _mm512_and_si512(b, _mm512_set1_epi16(0x0f));
+    __m512i c1 = _mm512_srli_epi16(b, 4);
+    __m512i v0 = _mm512_permutexvar_epi16(c0, lut);
+    __m512i v1 = _mm512_permutexvar_epi16(c1, lut);
+    const __m512i seven = _mm512_set1_epi16(7);
+    out[0].v = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(c0, seven), v0, ev[g]);
+    out[1].v = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(c1, seven), v1, ev[g]);
+  }
+};
+#endif
+
+// --------------------------------------------------------------------- prefetching
+// While one item computes, the next item's packed tile is prefetched into L2, a few cache
+// lines per k step, so its first pass (decode or dequantization) finds it there: the DRAM
+// stream of item i+1 overlaps the arithmetic of item i. Loads only; no effect on results.
+struct Prefetch {
+  const char* p = nullptr;
+  const char* end = nullptr;
+  int lines = 0;   // cache lines per k step
+  inline void step() {
+    for (int i = 0; i < lines && p < end; ++i, p += 64) __builtin_prefetch(p, 0, 2);
+  }
+};
+
+// ------------------------------------------------------------------------ the K loop
+// acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
+template <int R, int NG, class Dec>
+inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pfp) {
+  Prefetch pf = *pfp;   // a local copy, so its pointer lives in a register
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
+    dec.begin_block(b);
+    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      pf.step();
+      W32 w[NG][Dec::kStep];
+      for (int g = 0; g < NG; ++g) dec.get(g, kk, w[g]);
+      for (int s = 0; s < Dec::kStep; ++s) {
+        for (int r = 0; r < R; ++r) {
+          const XP x = x_pair(a + r * lda + 2 * (kk + s));
+          for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g][s]);
+        }
+      }
+    }
+  }
+  pfp->p = pf.p;
+}
+
+// Decode the NG groups into buf, [K2][NG][32] bf16 (the groups of one k pair adjacent, so
+// the blocked micro-kernel walks one pointer).
+template <int NG, class Dec>
+inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
+    dec.begin_block(b);
+    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
+      pf->step();
+      for (int g = 0; g < NG; ++g) {
+        W32 w[Dec::kStep];
+        dec.get(g, kk, w);
+        for (int s = 0; s < Dec::kStep; ++s) w_store(buf + ((kk + s) * NG + g) * 32, w[s]);
+      }
+    }
+  }
+}
+
+// ------------------------------------------------------------------------- epilogue
+struct Out {
+  const FeGemm* g;
+  int64_t e;
+  int64_t n_first;   // first column of group 0
+};
+
+// Rows [p, p + R) of the output, groups 0..NG-1: + bias (f32), then bf16 RNE or f32.
+template <int R, int NG>
+inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
+  const FeGemm& g = *o.g;
+  for (int r = 0; r < R; ++r) {
+    for (int gi = 0; gi < NG; ++gi) {
+      const int64_t n0 = o.n_first + gi * fe::kGroupN;
+      const int nc = int(imin_(fe::kGroupN, g.N - n0));
+      if (nc <= 0) continue;
+      alignas(64) float t[16];
+      acc_store(t, acc[r][gi]);
+      for (int c = 0; c < nc; c += kVecF) {
+        const int n = int(imin_(kVecF, nc - c));
+        vf v = vload(t + c, n);
+        if (g.bias) {
+          const int64_t bi = o.e * g.N + n0 + c;
+          v = vadd(v, g.bias_bf16 ? vload_bf16(static_cast<const uint16_t*>(g.bias) + bi, n)
+                                  : vload(static_cast<const float*>(g.bias) + bi, n));
+        }
+        if (g.out_bf16) vstore_bf16(static_cast<uint16_t*>(g.out) + (p + r) * g.ldo + n0 + c, v, n);
+        else vstore(static_cast<float*>(g.out) + (p + r) * g.ldo + n0 + c, v, n);
+      }
+    }
+  }
+}
+
+template <int R, int NG, class Dec>
+inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p,
+                       Prefetch* pf) {
+  Acc acc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  run_rows<R, NG>(dec, a, lda, K2, acc, pf);
+  store_rows<R, NG>(o, p, acc);
+}
+
+// All m rows of a block, in chunks of up to 4 (tiny) or 6 (blocked) rows. The decoder is
+// copied per chunk (its block state restarts at k = 0).
+template <int NG, int MaxR, class Dec>
+inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                     int64_t p0, int64_t m, Prefetch* pf) {
+  int64_t r0 = 0;
+  for (; r0 + MaxR <= m; r0 += MaxR) rows_chunk<MaxR, NG>(dec, a + r0 * lda, lda, K2, o, p0 + r0, pf);
+  const int64_t rest = m - r0;
+  const uint16_t* ar = a + r0 * lda;
+  switch (rest) {
+    case 1: rows_chunk<1, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 2: rows_chunk<2, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 3: rows_chunk<3, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 4: if constexpr (MaxR > 4) rows_chunk<4, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    case 5: if constexpr (MaxR > 5) rows_chunk<5, NG>(dec, ar, lda, K2, o, p0 + r0, pf); break;
+    default: break;
+  }
+}
+
+// The blocked micro-kernel: R rows x NG vectors over the dequantized buffer ([K2][NG][32]).
+// The same dp sequence per output element as run_rows (kk ascending), written with one
+// weight pointer and R row pointers so they stay in registers.
+template <int R, int NG>
+inline void micro_buf(const uint16_t* b, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                      int64_t p, Prefetch* pf) {
+  Acc acc[R][NG];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
+  // index addressing), so two row pointers and the stride stay in registers.
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* a3 = a0 + 3 * lda * 2;
+  const int64_t ld = lda * 2;
+  const char* pp = pf->p;
+  const char* const pe = pf->end;
+  const uint16_t* bk = b;
+  for (int64_t kk = 0; kk < K2; ++kk, a0 += 4, a3 += 4, bk += NG * 32) {
+    if (pp < pe) {
+      __builtin_prefetch(pp, 0, 2);
+      pp += 64;
+    }
+    W32 w[NG];
+    for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * 32);
+    for (int r = 0; r < R; ++r) {
+      const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
+      const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
+      for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g]);
+    }
+  }
+  pf->p = pp;
+  store_rows<R, NG>(o, p, acc);
+}
+
+// All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
+// (m = 32: 6, 6, 5, 5, 5, 5).
+template <int NG>
+inline void blocked_rows(const uint16_t* buf, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
+                         int64_t p0, int64_t m, Prefetch* pf) {
+  const int64_t n = fe::cdiv(m, kBlockedRows), base = m / n, extra = m % n;
+  int64_t r0 = 0;
+  for (int64_t c = 0; c < n; ++c) {
+    const int64_t R = base + (c < extra ? 1 : 0);
+    const uint16_t* ar = a + r0 * lda;
+    switch (R) {
+      case 1: micro_buf<1, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 2: micro_buf<2, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 3: micro_buf<3, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 4: micro_buf<4, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 5: micro_buf<5, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      default: micro_buf<6, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+    }
+    r0 += R;
+  }
+}
+
+// ------------------------------------------------------------------------ work items
+// What the blocked path's buffer holds: (weights, expert, first group, groups, decoder).
+struct TileTag {
+  const void* w = nullptr;
+  int64_t e = -1, g_first = -1, ng = 0;
+  bool slow = false;
+  bool valid = false;
+  bool holds(const void* w_, int64_t e_, int64_t g_, int64_t ng_, bool s_) const {
+    return valid && w == w_ && e == e_ && g_first == g_ && ng == ng_ && slow == s_;
+  }
+};
+
+struct Item {
+  const FeGemm* g;
+  int64_t e, tile, p0, m;
+  const uint8_t* tw;    // the tile's packed groups
+  const float* srow;    // fp8: the tile's scale row
+  const uint8_t* tms;   // mxfp4: the tile's packed scales
+  bool slow, blocked;
+  uint16_t* buf;        // the dequantized tile buffer
+  TileTag* tag;
+  Prefetch* pf;         // the next item's tile
+};
+
+// Groups [gbase, gbase + NG) of an item.
+template <int NG>
+void item_groups(const Item& it, int gbase) {
+  const FeGemm& g = *it.g;
+  const int64_t K = g.K, K2 = k2(K), gb = group_bytes(g.quant, K);
+  const int64_t sgb = fe::mx_scale_group_bytes(K);
+  const uint16_t* a = g.a + it.p0 * g.lda;
+  const Out o{&g, it.e, (it.tile * fe::kTileGroups + gbase) * fe::kGroupN};
+  const uint8_t* w = it.tw + gbase * gb;
+
+  const LoadDec bf16{reinterpret_cast<const uint16_t*>(w), K2 * 32};   // bf16: the packed tile
+  if (g.quant == fe::kBF16 && !it.blocked) {
+    all_rows<NG, kTinyRows>(bf16, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    return;
+  }
+  const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
+  const bool use_exact = it.slow || MOELAB_ISA_LEVEL < 2;
+
+  if (it.blocked) {
+    const int64_t g_first = it.tile * fe::kTileGroups + gbase;
+    if (!it.tag->holds(g.w, it.e, g_first, NG, it.slow)) {
+      it.tag->valid = false;
+      if (g.quant == fe::kBF16) {   // a copy into the buffer's layout
+        LoadDec d = bf16;
+        dequant<NG>(d, K2, it.buf, it.pf);
+      } else if (use_exact) {
+        ExactDec d = exact;
+        dequant<NG>(d, K2, it.buf, it.pf);
+      }
+#if MOELAB_ISA_LEVEL >= 2
+      else if (g.quant == fe::kFP8) {
+        Fp8Dec d{w, gb, it.srow, _mm512_setzero_ps()};
+        dequant<NG>(d, K2, it.buf, it.pf);
+      } else {
+        Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+        d.init();
+        dequant<NG>(d, K2, it.buf, it.pf);
+      }
+#endif
+      *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
+    }
+    blocked_rows<NG>(it.buf, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    return;
+  }
+  if (use_exact) {
+    all_rows<NG, kTinyRows>(exact, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    return;
+  }
+#if MOELAB_ISA_LEVEL >= 2
+  if (g.quant == fe::kFP8) {
+    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, _mm512_setzero_ps()}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+  } else {
+    Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+    d.init();
+    all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m, it.pf);
+  }
+#endif
+}
+
+// ----------------------------------------------------------- standard-layout packing
+// The same bytes as fe::pack_groups (and the same flag as fe::tile_needs_slow), faster: at
+// avx512 levels one 16-lane dword gather reads 4 bytes of each of the group's 16 rows, which
+// is 2 fp8 pairs, 1 bf16 pair or 2 mxfp4 quads of all 16 columns; the tails (an odd K, the
+// last pair of a K that is not a multiple of 4) go through the scalar packer.
+inline void pack_tile(int q, const uint8_t* src, int64_t N, int64_t K, int64_t g0, int64_t ng, uint8_t* dst) {
+#if MOELAB_ISA_LEVEL >= 2
+  const int64_t gb = group_bytes(q, K), rb = fe::row_bytes(q, K);
+  const __m512i vindex = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                            _mm512_set1_epi32(int(rb)));
+  const int64_t jmax = rb / 4;   // whole dwords per row
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const int64_t n0 = (g0 + gi) * fe::kGroupN;
+    const int64_t rows = imin_(fe::kGroupN, N - n0);
+    const __mmask16 mask = __mmask16((1u << rows) - 1u);
+    const uint8_t* base = src + n0 * rb;
+    uint8_t* d = dst + gi * gb;
+    for (int64_t j = 0; j < jmax; ++j) {
+      __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, vindex, base + 4 * j, 1);
+      if (q == fe::kBF16) {
+        _mm512_storeu_si512(d + j * 64, v);   // pair j of the 16 columns
+        continue;
+      }
+      if (q == fe::kMXFP4) {   // (b0, b1) -> (lo(b0) | lo(b1) << 4, hi(b0) | hi(b1) << 4) per quad
+        const __m512i s4 = _mm512_srli_epi16(v, 4), s8 = _mm512_srli_epi16(v, 8);
+        const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x000f)),
+                                           _mm512_and_si512(s4, _mm512_set1_epi16(0x00f0)));
+        const __m512i hi = _mm512_or_si512(_mm512_and_si512(s4, _mm512_set1_epi16(0x000f)),
+                                           _mm512_and_si512(s8, _mm512_set1_epi16(0x00f0)));
+        v = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+      }
+      // fp8: pairs 2j, 2j+1; mxfp4: quads 2j, 2j+1 (32 bytes each)
+      _mm256_storeu_si256((__m256i*)(d + 2 * j * 32), _mm512_cvtepi32_epi16(v));
+      _mm256_storeu_si256((__m256i*)(d + (2 * j + 1) * 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+    }
+    if (jmax * 4 < rb) {   // tail pairs: bf16 with an odd K (the last pair), fp8 with
+                           // K % 4 in {1, 2, 3} (the last one or two pairs)
+      const int64_t P = k2(K);
+      const int64_t kk0 = q == fe::kBF16 ? jmax : 2 * jmax;
+      for (int64_t c = 0; c < fe::kGroupN; ++c) {
+        const int64_t n = n0 + c;
+        for (int64_t kk = kk0; kk < P; ++kk) {
+          const int64_t es = q == fe::kBF16 ? 2 : 1;   // element bytes
+          uint8_t* o = d + kk * 16 * 2 * es + c * 2 * es;
+          for (int p = 0; p < 2; ++p) {
+            const int64_t k = 2 * kk + p;
+            for (int64_t b = 0; b < es; ++b) o[p * es + b] = (n < N && k < K) ? base[c * rb + k * es + b] : uint8_t(0);
+          }
+        }
+      }
+    }
+  }
+#else
+  fe::pack_groups(q, src, N, K, g0, ng, dst);
+#endif
+}
+
+inline bool tile_needs_slow_fast(int q, const uint8_t* w, int64_t ng, int64_t K, int64_t tile,
+                                 const float* fp8_scale, const uint8_t* mx_scales) {
+#if MOELAB_ISA_LEVEL >= 2
+  if (q == fe::kFP8) {   // the NaN-code scan, 64 bytes at a time; the scales as fe:: does
+    const int64_t nbytes = ng * group_bytes(q, K);   // a multiple of 32
+    int64_t i = 0;
+    const __m512i m7f = _mm512_set1_epi8(0x7f);
+    for (; i + 64 <= nbytes; i += 64)
+      if (_mm512_cmpeq_epi8_mask(_mm512_and_si512(_mm512_loadu_si512(w + i), m7f), m7f)) return true;
+    for (; i < nbytes; ++i)
+      if ((w[i] & 0x7f) == 0x7f) return true;
+    return fe::tile_needs_slow(q, w, 0, K, tile, fp8_scale, mx_scales);
+  }
+#endif
+  return fe::tile_needs_slow(q, w, ng, K, tile, fp8_scale, mx_scales);
+}
+
+}  // namespace
+
+void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratch) {
+  const int q = g.quant;
+  const int64_t N = g.N, K = g.K, N16 = fe::n16(N), ntiles = fe::n_tiles(N);
+  const int64_t gb = group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
+  const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
+  uint16_t* buf = reinterpret_cast<uint16_t*>(scratch + 64);
+  uint8_t* ptile = scratch + 64 + fe::scratch_dequant_bytes(K);
+  uint8_t* pscale = ptile + fe::align64(fe::kTileGroups * gb);
+  TileTag tag;   // invalid: this call's buffer holds nothing yet
+  const int64_t K2 = k2(K);
+
+  for (int64_t i = i0; i < i1; ++i) {
+    const int64_t e = g.items[2 * i], tile = g.items[2 * i + 1];
+    const int64_t p0 = g.offsets[e], m = g.offsets[e + 1] - p0;
+    if (m <= 0) continue;
+    const int64_t ng = imin_(fe::kTileGroups, N16 - tile * fe::kTileGroups);
+    Prefetch pf;
+    Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
+    it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
+    if (g.packed && i + 1 < i1) {   // prefetch the next item's tile over this item's k steps
+      const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
+      const int64_t ng1 = imin_(fe::kTileGroups, N16 - t1 * fe::kTileGroups);
+      pf.p = reinterpret_cast<const char*>(g.w + e1 * N16 * gb + t1 * fe::kTileGroups * gb);
+      pf.end = pf.p + ng1 * gb;
+      const int64_t passes = it.blocked ? 1 + fe::cdiv(m, kBlockedRows) : fe::cdiv(m, kTinyRows);
+      const int64_t steps = imax_(1, passes * K2 / 2);   // done by mid-item (mxfp4 steps 2 pairs)
+      pf.lines = int(fe::cdiv(fe::cdiv(ng1 * gb, 64), steps));
+    }
+    const float* escale = q == fe::kFP8 ? static_cast<const float*>(g.scale) + e * nbn * nbk : nullptr;
+    if (escale) it.srow = escale + (tile * fe::kTileN / fe::kFp8Block) * nbk;
+    if (g.packed) {
+      it.tw = g.w + e * N16 * gb + tile * fe::kTileGroups * gb;
+      if (q == fe::kMXFP4)
+        it.tms = static_cast<const uint8_t*>(g.scale) + e * N16 * sgb + tile * fe::kTileGroups * sgb;
+      it.slow = g.slow[e * ntiles + tile] != 0;
+    } else {
+      // Standard layout: pack this tile first (same bytes and flag as prepacking). The
+      // buffer tag keys on (weights, expert, groups), so re-packing never confuses it.
+      pack_tile(q, g.w + e * N * fe::row_bytes(q, K), N, K, tile * fe::kTileGroups, ng, ptile);
+      it.tw = ptile;
+      if (q == fe::kMXFP4) {
+        fe::pack_mx_scales(static_cast<const uint8_t*>(g.scale) + e * N * (K / fe::kMxBlock), N, K,
+                           tile * fe::kTileGroups, ng, pscale);
+        it.tms = pscale;
+      }
+      it.slow = tile_needs_slow_fast(q, it.tw, ng, K, tile, escale, it.tms);
+    }
+    if (ng == fe::kTileGroups) {
+      item_groups<fe::kTileGroups>(it, 0);
+    } else {
+      for (int gi = 0; gi < ng; ++gi) item_groups<1>(it, gi);
+    }
+  }
+}
+
+void fused_experts_act(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t I, int act,
+                       float alpha, float limit, int64_t p0, int64_t p1) {
+  const vf one = vset1(1.0f), lim = vset1(limit), nlim = vset1(-limit), al = vset1(alpha);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* hr = h + p * ldh;
+    uint16_t* ar = a + p * lda;
+    for (int64_t i = 0; i < I; i += kVecF) {
+      const int n = int(imin_(kVecF, I - i));
+      vf gate, up;
+      if (act == 0) {
+        gate = vload_bf16(hr + i, n);
+        up = vload_bf16(hr + I + i, n);
+        vf s = vsigmoid(gate);
+        vstore_bf16(ar + i, vmul(vmul(gate, s), up), n);
+        continue;
+      }
+      // swiglu_oai: gate = h[2i], up = h[2i+1] (interleaved): one dword = (gate, up).
+#if MOELAB_ISA_LEVEL >= 2
+      __m512i d = _mm512_maskz_loadu_epi32(tail_mask(n), hr + 2 * i);
+      gate = vf{_mm512_castsi512_ps(_mm512_slli_epi32(d, 16))};
+      up = vf{_mm512_castsi512_ps(_mm512_and_si512(d, _mm512_set1_epi32(int(0xffff0000u))))};
+#elif MOELAB_ISA_LEVEL == 1
+      alignas(32) uint32_t tmp[8] = {0};
+      std::memcpy(tmp, hr + 2 * i, size_t(n) * 4);
+      __m256i d = _mm256_load_si256((const __m256i*)tmp);
+      gate = vf{_mm256_castsi256_ps(_mm256_slli_epi32(d, 16))};
+      up = vf{_mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(int(0xffff0000u))))};
+#else
+      gate = vf{bf16_to_f32(hr[2 * i])};
+      up = vf{bf16_to_f32(hr[2 * i + 1])};
+#endif
+      vf gc = vmin_(lim, gate);                 // min(gate, limit), NaN passes
+      vf uc = vmin_(lim, vmax_(nlim, up));      // clamp(up, -limit, limit), NaN passes
+      vf s = vsigmoid(vmul(al, gc));
+      vstore_bf16(ar + i, vmul(vmul(gc, s), vadd(uc, one)), n);
+    }
+    for (int64_t i = I; i < lda; ++i) ar[i] = 0;
+  }
+}
+
+}  // namespace moelab::cpu::MOELAB_ISA_NS

@@ -1,0 +1,374 @@
+// Binding of moelab::fused_experts and moelab::prepack_moe_weight (CPU).
+//
+// fused_experts runs the pipeline of docs/fused_experts.md: group rows (permute_plan), gather
+// x rows (permute_rows), GEMM1 items, activation rows, GEMM2 items, combine
+// (unpermute_tokens in f32, then one bf16 rounding). Every pass is an at::parallel_for over
+// independent outputs, so the result does not depend on the thread count. Everything a
+// kernel relies on is re-checked here, so a direct torch.ops.moelab call with hostile
+// arguments raises RuntimeError instead of reading or writing out of bounds.
+#include <cmath>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "../cpu/fused_experts.h"
+#include "../cpu/permute.h"
+#include "common.h"
+
+namespace moelab {
+namespace {
+
+constexpr const char* kOp = "fused_experts";
+constexpr const char* kPackOp = "prepack_moe_weight";
+
+int quant_code(c10::string_view q, const char* op) {
+  if (q == "bf16") return fe::kBF16;
+  if (q == "fp8_block") return fe::kFP8;
+  MOELAB_CHECK(q == "mxfp4", op, "quant", "must be one of bf16, fp8_block, mxfp4; got '", std::string(q), "'");
+  return fe::kMXFP4;
+}
+
+at::ScalarType weight_dtype(int q) {
+  return q == fe::kBF16 ? at::kBFloat16 : q == fe::kFP8 ? at::kFloat8_e4m3fn : at::kByte;
+}
+
+void check_shape(const at::Tensor& t, const char* op, const char* arg, at::IntArrayRef want) {
+  MOELAB_CHECK(t.sizes() == want, op, arg, "must have shape ", want, ", got ", t.sizes());
+}
+
+// The scales of one weight matrix [E][N][K] (standard layout, or packed for mxfp4).
+void check_scale(const c10::optional<at::Tensor>& s, int q, bool packed, int64_t E, int64_t N,
+                 int64_t K, const char* arg) {
+  if (q == fe::kBF16) {
+    MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for quant 'bf16'");
+    return;
+  }
+  MOELAB_CHECK(s.has_value(), kOp, arg, "is required for quant ", q == fe::kFP8 ? "'fp8_block'" : "'mxfp4'");
+  if (q == fe::kFP8) {
+    check_cpu(*s, kOp, arg, 3, {at::kFloat});
+    check_shape(*s, kOp, arg, {E, fe::cdiv(N, fe::kFp8Block), fe::cdiv(K, fe::kFp8Block)});
+  } else if (packed) {
+    check_cpu(*s, kOp, arg, 2, {at::kByte});
+    check_shape(*s, kOp, arg, {E, fe::n16(N) * fe::mx_scale_group_bytes(K)});
+  } else {
+    check_cpu(*s, kOp, arg, 3, {at::kByte});
+    check_shape(*s, kOp, arg, {E, N, K / fe::kMxBlock});
+  }
+}
+
+void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N, int64_t K, const char* arg) {
+  if (packed) {
+    check_cpu(w, kOp, arg, 2, {at::kByte});
+    check_shape(w, kOp, arg, {E, fe::expert_bytes(q, N, K)});
+  } else {
+    check_cpu(w, kOp, arg, 3, {weight_dtype(q)});
+    check_shape(w, kOp, arg, {E, N, q == fe::kMXFP4 ? K / 2 : K});
+  }
+}
+
+void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int64_t N, const char* arg) {
+  if (!packed) {
+    MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for standard-layout weights");
+    return;
+  }
+  MOELAB_CHECK(s.has_value(), kOp, arg, "is required for prepacked weights");
+  check_cpu(*s, kOp, arg, 2, {at::kByte});
+  check_shape(*s, kOp, arg, {E, fe::n_tiles(N)});
+}
+
+void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const char* arg) {
+  if (!b.has_value()) return;
+  check_cpu(*b, kOp, arg, 2, {at::kFloat, at::kBFloat16});
+  check_shape(*b, kOp, arg, {E, N});
+}
+
+// Work items (expert, tile) of one pass, in one band of tiles per thread: band b holds, for
+// every routed expert in turn, the tiles [b*nt/B, (b+1)*nt/B). at::parallel_for gives each
+// thread a contiguous range, i.e. about one band: every thread gets its share of every
+// expert's tiles (a hot expert is split across threads, the cost stays balanced under any
+// routing skew), and walks its band expert by expert, so an expert's rows stay in L2 across
+// its tiles and the next item's weights (prefetched) are the next tile of the same expert.
+// The order never changes a result: every output element belongs to exactly one item.
+std::vector<int32_t> make_items(const std::vector<int64_t>& offsets, int64_t E, int64_t N) {
+  std::vector<int32_t> items;
+  const int64_t nt = fe::n_tiles(N), B = std::max<int64_t>(1, at::get_num_threads());
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t e = 0; e < E; ++e)
+      if (offsets[e + 1] > offsets[e])
+        for (int64_t t = b * nt / B; t < (b + 1) * nt / B; ++t) {
+          items.push_back(int32_t(e));
+          items.push_back(int32_t(t));
+        }
+  return items;
+}
+
+// The per-call intermediates (gathered x, h, a, y, the f32 combine) live in one buffer. Up
+// to kCachedWorkspace bytes it is a per-calling-thread cache kept between calls: fresh
+// pages cost one page fault each, ~10% of a large prefill, and glibc returns large blocks
+// to the system on every free. Bigger calls allocate and free their own. Held memory: the
+// largest call so far (Qwen3-30B-A3B prefill T=512: ~75 MB; decode: kilobytes).
+constexpr int64_t kCachedWorkspace = int64_t(256) << 20;
+
+uint8_t* workspace(int64_t bytes, at::Tensor& owned) {
+  uint8_t* p = nullptr;
+  if (bytes > kCachedWorkspace) {
+    owned = at::empty({bytes + 64}, at::TensorOptions().dtype(at::kByte));
+    p = owned.data_ptr<uint8_t>();
+  } else {
+    thread_local std::unique_ptr<uint8_t[]> cache;
+    thread_local int64_t cache_bytes = 0;
+    if (cache_bytes < bytes + 64) {
+      cache.reset();
+      cache.reset(new uint8_t[size_t(bytes + 64)]);
+      cache_bytes = bytes + 64;
+    }
+    p = cache.get();
+  }
+  return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
+}
+
+int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
+
+void run_gemm(const cpu::FeGemm& g, int64_t n_items) {
+  auto* fn = MOELAB_PICK(fused_experts_gemm);
+  const int64_t bytes = fe::scratch_bytes(g.quant, g.K) + 64;
+  at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<uint8_t> scratch(static_cast<size_t>(bytes));   // per thread, per call: nothing survives
+    uint8_t* s = scratch.data();
+    s += (64 - reinterpret_cast<uintptr_t>(s) % 64) % 64;
+    fn(g, i0, i1, s);
+  });
+}
+
+at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             c10::string_view quant, bool packed, int64_t E, int64_t I,
+                             const c10::optional<at::Tensor>& w13_scale,
+                             const c10::optional<at::Tensor>& w2_scale,
+                             const c10::optional<at::Tensor>& w13_slow,
+                             const c10::optional<at::Tensor>& w2_slow,
+                             const c10::optional<at::Tensor>& w13_bias,
+                             const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                             double alpha, double limit, int64_t policy, int64_t m_cross) {
+  check_cpu(x, kOp, "x", 2, {at::kBFloat16}, /*contiguous=*/false);
+  const int64_t T = x.size(0), H = x.size(1);
+  MOELAB_CHECK(T == 0 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
+  MOELAB_CHECK(H >= 1, kOp, "x", "must have H >= 1 columns");
+  const int q = quant_code(quant, kOp);
+  MOELAB_CHECK(E >= 1 && E <= (int64_t(1) << 20), kOp, "E", "must be in [1, 2^20], got ", E);
+  MOELAB_CHECK(I >= 1 && I <= (int64_t(1) << 24) && H <= (int64_t(1) << 24), kOp, "I",
+               "must be in [1, 2^24] (and H too), got I = ", I, ", H = ", H);
+  if (q == fe::kMXFP4)
+    MOELAB_CHECK(H % fe::kMxBlock == 0 && I % fe::kMxBlock == 0, kOp, "I",
+                 "mxfp4 needs H and I to be multiples of 32, got H = ", H, ", I = ", I);
+  const int64_t N1 = 2 * I, K1 = H, N2 = H, K2 = I;
+  check_weight(w13, q, packed, E, N1, K1, "w13");
+  check_weight(w2, q, packed, E, N2, K2, "w2");
+  check_scale(w13_scale, q, packed, E, N1, K1, "w13_scale");
+  check_scale(w2_scale, q, packed, E, N2, K2, "w2_scale");
+  check_slow(w13_slow, packed, E, N1, "w13_slow");
+  check_slow(w2_slow, packed, E, N2, "w2_slow");
+  check_bias(w13_bias, E, N1, "w13_bias");
+  check_bias(w2_bias, E, N2, "w2_bias");
+  check_cpu(topk_ids, kOp, "topk_ids", 2, {at::kInt}, /*contiguous=*/false);
+  check_cpu(topk_weights, kOp, "topk_weights", 2, {at::kFloat}, /*contiguous=*/false);
+  const int64_t K = topk_ids.size(1);
+  MOELAB_CHECK(topk_ids.size(0) == T && K >= 1, kOp, "topk_ids", "must have shape (", T, ", K >= 1), got ",
+               topk_ids.sizes());
+  MOELAB_CHECK(topk_weights.sizes() == topk_ids.sizes(), kOp, "topk_weights", "must have shape ",
+               topk_ids.sizes(), ", got ", topk_weights.sizes());
+  MOELAB_CHECK(T * K < (int64_t(1) << 31), kOp, "topk_ids", "has T*K = ", T * K, " rows, more than 2^31 - 1");
+  int act = 0;
+  if (activation == "swiglu_oai") act = 1;
+  else MOELAB_CHECK(activation == "silu", kOp, "activation", "must be silu or swiglu_oai, got '",
+                    std::string(activation), "'");
+  MOELAB_CHECK(policy >= cpu::kFeAllTiny && policy <= cpu::kFePerBlock, kOp, "policy",
+               "must be 0 (tiny), 1 (blocked) or 2 (per block), got ", policy);
+
+  if (T == 0) return at::zeros({T, H}, x.options());
+
+  // 1. Group rows by expert: the permute op's stable counting sort (validates the ids).
+  const int64_t R = T * K;
+  std::vector<int64_t> counts(static_cast<size_t>(E)), offsets(static_cast<size_t>(E + 1));
+  std::vector<int32_t> src_row(static_cast<size_t>(R)), dst_pos(static_cast<size_t>(R));
+  int64_t bad = 0;
+  const int rc = MOELAB_PICK(permute_plan)(topk_ids.data_ptr(), false, T, K, topk_ids.stride(0),
+                                           topk_ids.stride(1), nullptr, 0, E, E, 1, counts.data(),
+                                           offsets.data(), src_row.data(), R, dst_pos.data(), &bad);
+  MOELAB_CHECK(rc != cpu::kPermuteBadId, kOp, "topk_ids", "holds ", bad, ", outside the valid range [-1, ", E, ")");
+  TORCH_CHECK(rc == cpu::kPermuteOk, "moelab::fused_experts: internal error in the row grouping (", rc, ")");
+  const int64_t P = offsets[size_t(E)];
+  if (P == 0) return at::zeros({T, H}, x.options());   // every slot dropped
+
+  // Intermediates: xg [P, Hp] bf16, h [P, 2I] bf16, a [P, Ip] bf16, y [P, H] f32, out32 [T, H] f32.
+  const int64_t Hp = fe::k2(H) * 2, Ip = fe::k2(I) * 2;
+  const int64_t b_xg = up64(P * Hp * 2), b_h = up64(P * N1 * 2), b_a = up64(P * Ip * 2), b_y = up64(P * N2 * 4);
+  at::Tensor owned;
+  uint8_t* ws = workspace(b_xg + b_h + b_a + b_y + T * H * 4, owned);
+  uint16_t* xg = reinterpret_cast<uint16_t*>(ws);
+  uint16_t* hb = reinterpret_cast<uint16_t*>(ws + b_xg);
+  uint16_t* ab = reinterpret_cast<uint16_t*>(ws + b_xg + b_h);
+  float* yb = reinterpret_cast<float*>(ws + b_xg + b_h + b_a);
+  float* ob = reinterpret_cast<float*>(ws + b_xg + b_h + b_a + b_y);
+
+  // 2. Gather x rows, padded to an even width (the k pairs).
+  {
+    const char* xp = static_cast<const char*>(x.data_ptr());
+    char* gp = reinterpret_cast<char*>(xg);
+    const int64_t ldx = x.stride(0) * 2;
+    if (Hp == H) {
+      auto* rows = MOELAB_PICK(permute_rows);
+      at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+        rows(xp, ldx, gp, H * 2, src_row.data(), K, p0, p1);
+      });
+    } else {
+      for (int64_t p = 0; p < P; ++p) {
+        std::memcpy(gp + p * Hp * 2, xp + (src_row[p] / K) * ldx, size_t(H) * 2);
+        std::memset(gp + p * Hp * 2 + H * 2, 0, 2);
+      }
+    }
+  }
+
+  auto bias_of = [](const c10::optional<at::Tensor>& b) -> const void* {
+    return b.has_value() ? b->data_ptr() : nullptr;
+  };
+  auto bias_bf16 = [](const c10::optional<at::Tensor>& b) {
+    return int(b.has_value() && b->scalar_type() == at::kBFloat16);
+  };
+
+  // 3. GEMM1: h = bf16(x @ W13.T + b13).
+  cpu::FeGemm g1{};
+  g1.quant = q;
+  g1.packed = packed;
+  g1.w = static_cast<const uint8_t*>(w13.data_ptr());
+  g1.scale = w13_scale.has_value() ? w13_scale->data_ptr() : nullptr;
+  g1.slow = packed ? w13_slow->data_ptr<uint8_t>() : nullptr;
+  g1.N = N1;
+  g1.K = K1;
+  g1.a = xg;
+  g1.lda = Hp;
+  g1.bias = bias_of(w13_bias);
+  g1.bias_bf16 = bias_bf16(w13_bias);
+  g1.out_bf16 = true;
+  g1.out = hb;
+  g1.ldo = N1;
+  g1.offsets = offsets.data();
+  g1.policy = int(policy);
+  g1.m_cross = m_cross;
+  const std::vector<int32_t> items1 = make_items(offsets, E, N1);
+  g1.items = items1.data();
+  run_gemm(g1, int64_t(items1.size() / 2));
+
+  // 4. Activation: a = bf16(act(h)).
+  {
+    auto* fn = MOELAB_PICK(fused_experts_act);
+    const uint16_t* hp = hb;
+    uint16_t* ap = ab;
+    const float al = float(alpha), li = float(limit);
+    at::parallel_for(0, P, std::max<int64_t>(1, 16384 / I), [&](int64_t p0, int64_t p1) {
+      fn(hp, N1, ap, Ip, I, act, al, li, p0, p1);
+    });
+  }
+
+  // 5. GEMM2: y = a @ W2.T + b2 (f32).
+  cpu::FeGemm g2 = g1;
+  g2.w = static_cast<const uint8_t*>(w2.data_ptr());
+  g2.scale = w2_scale.has_value() ? w2_scale->data_ptr() : nullptr;
+  g2.slow = packed ? w2_slow->data_ptr<uint8_t>() : nullptr;
+  g2.N = N2;
+  g2.K = K2;
+  g2.a = ab;
+  g2.lda = Ip;
+  g2.bias = bias_of(w2_bias);
+  g2.bias_bf16 = bias_bf16(w2_bias);
+  g2.out_bf16 = false;
+  g2.out = yb;
+  g2.ldo = N2;
+  const std::vector<int32_t> items2 = make_items(offsets, E, N2);
+  g2.items = items2.data();
+  run_gemm(g2, int64_t(items2.size() / 2));
+
+  // 6. Combine in f32, j ascending (the permute op's unpermute), then one bf16 rounding.
+  {
+    auto* fn = MOELAB_PICK(unpermute_tokens);
+    const float* yp = yb;
+    const float* wp = topk_weights.data_ptr<float>();
+    const int64_t ldw_t = topk_weights.stride(0), ldw_k = topk_weights.stride(1);
+    float* op = ob;
+    at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * K)), [&](int64_t t0, int64_t t1) {
+      fn(yp, Fmt::kF32, H, wp, ldw_t, ldw_k, dst_pos.data(), K, H, op, t0, t1);
+    });
+  }
+  return at::from_blob(ob, {T, H}, x.options().dtype(at::kFloat)).to(at::kBFloat16);
+}
+
+// Packs one weight matrix of fused_experts ([E][N][K] standard layout) into the blocked
+// VNNI layout; returns (packed [E][bytes], scales (fp8: a contiguous copy; mxfp4: packed;
+// bf16: empty), slow flags [E][n_tiles]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> prepack_cpu(const at::Tensor& w,
+                                                           const c10::optional<at::Tensor>& scale,
+                                                           c10::string_view quant) {
+  const int q = quant_code(quant, kPackOp);
+  check_cpu(w, kPackOp, "w", 3, {weight_dtype(q)});
+  const int64_t E = w.size(0), N = w.size(1), K = q == fe::kMXFP4 ? 2 * w.size(2) : w.size(2);
+  MOELAB_CHECK(E >= 1 && N >= 1 && K >= 1, kPackOp, "w", "must have nonzero sizes, got ", w.sizes());
+  if (q == fe::kMXFP4) MOELAB_CHECK(K % fe::kMxBlock == 0, kPackOp, "w", "mxfp4 needs K a multiple of 32, got ", K);
+  at::Tensor s;
+  if (q == fe::kBF16) {
+    MOELAB_CHECK(!scale.has_value(), kPackOp, "scale", "must be None for quant 'bf16'");
+    s = at::empty({0}, w.options().dtype(at::kFloat));
+  } else {
+    MOELAB_CHECK(scale.has_value(), kPackOp, "scale", "is required for quant '", std::string(quant), "'");
+    if (q == fe::kFP8) {
+      check_cpu(*scale, kPackOp, "scale", 3, {at::kFloat});
+      check_shape(*scale, kPackOp, "scale", {E, fe::cdiv(N, fe::kFp8Block), fe::cdiv(K, fe::kFp8Block)});
+      s = scale->clone();
+    } else {
+      check_cpu(*scale, kPackOp, "scale", 3, {at::kByte});
+      check_shape(*scale, kPackOp, "scale", {E, N, K / fe::kMxBlock});
+      s = at::empty({E, fe::n16(N) * fe::mx_scale_group_bytes(K)}, w.options().dtype(at::kByte));
+    }
+  }
+  at::Tensor packed = at::empty({E, fe::expert_bytes(q, N, K)}, w.options().dtype(at::kByte));
+  at::Tensor slow = at::empty({E, fe::n_tiles(N)}, w.options().dtype(at::kByte));
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  uint8_t* pp = packed.data_ptr<uint8_t>();
+  uint8_t* sp = slow.data_ptr<uint8_t>();
+  const int64_t N16 = fe::n16(N), gb = fe::group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
+  const int64_t nt = fe::n_tiles(N), rb = fe::row_bytes(q, K);
+  const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
+  at::parallel_for(0, E * nt, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = i / nt, t = i % nt;
+      const int64_t g0 = t * fe::kTileGroups, ng = std::min(fe::kTileGroups, N16 - g0);
+      uint8_t* tw = pp + e * N16 * gb + g0 * gb;
+      fe::pack_groups(q, wp + e * N * rb, N, K, g0, ng, tw);
+      const float* fs = q == fe::kFP8 ? s.data_ptr<float>() + e * nbn * nbk : nullptr;
+      uint8_t* ms = nullptr;
+      if (q == fe::kMXFP4) {
+        ms = s.data_ptr<uint8_t>() + e * N16 * sgb + g0 * sgb;
+        fe::pack_mx_scales(scale->data_ptr<uint8_t>() + e * N * (K / fe::kMxBlock), N, K, g0, ng, ms);
+      }
+      sp[e * nt + t] = fe::tile_needs_slow(q, tw, ng, K, t, fs, ms) ? 1 : 0;
+    }
+  });
+  return {packed, s, slow};
+}
+
+const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512Bf16);
+
+}  // namespace
+}  // namespace moelab
+
+TORCH_LIBRARY_FRAGMENT(moelab, m) {
+  m.def("fused_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        "str quant, bool packed, int E, int I, Tensor? w13_scale, Tensor? w2_scale, Tensor? w13_slow, "
+        "Tensor? w2_slow, Tensor? w13_bias, Tensor? w2_bias, str activation, float alpha, float limit, "
+        "int policy, int m_cross) -> Tensor");
+  m.def("prepack_moe_weight(Tensor w, Tensor? scale, str quant) -> (Tensor, Tensor, Tensor)");
+}
+TORCH_LIBRARY_IMPL(moelab, CPU, m) {
+  m.impl("fused_experts", &moelab::fused_experts_cpu);
+  m.impl("prepack_moe_weight", &moelab::prepack_cpu);
+}

@@ -1,0 +1,189 @@
+"""optimized.fused_experts: the expert MLPs with bf16 / FP8 block / MXFP4 weights on CPU (seed 000).
+
+Same contract as reference.fused_experts (SPEC 5); design, layout, costs and the exact
+arithmetic are in docs/fused_experts.md and csrc/cpu/fused_experts_kernel.h. In short:
+rows are grouped by expert with the permute op's counting sort, each (expert block, 64-column
+tile) runs one of two micro-kernels (`tiny`: weights decoded in registers; `blocked`: the
+tile decoded once into a bf16 buffer), chosen per block by optimized/dispatch.py. Every
+path rounds the dequantized weight to bf16 the same way and accumulates K in the same
+order, so the result is bit-identical across policies, batches and thread counts at one
+ISA level (batch invariant). Against the f64 reference the one deliberate difference is
+that fp8 weights are rounded to bf16 (relative error <= 2^-8 per weight); bf16 and mxfp4
+weights are exact in bf16.
+
+Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked VNNI
+layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
+standard-layout weights need.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_FORMATS, SCALE_DTYPES,
+                                WEIGHT_DTYPES, check_choice, check_float, check_fused_experts, check_ids,
+                                check_tensor, expert_weight_shapes, fail)
+
+from . import dispatch as _dispatch
+
+__all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
+
+
+class PackedMoEWeights:
+    """Expert weights repacked once into the CPU kernels' blocked VNNI layout (opaque).
+
+    Made by `prepack_moe_weights`; pass it as `w13` (and `None` or the same object as
+    `w2`, no scales) to `optimized.fused_experts` with the same `quant`. Holds the packed
+    quantized bytes, the scales (fp8: a copy; mxfp4: rearranged), per-tile decoder flags,
+    and the format and sizes it was made for (checked on every call).
+    """
+
+    __slots__ = ("quant", "E", "H", "I", "w13", "w2", "w13_scale", "w2_scale", "w13_slow", "w2_slow")
+
+    def __init__(self, quant, E, H, I, w13, w2, w13_scale, w2_scale, w13_slow, w2_slow):
+        self.quant, self.E, self.H, self.I = quant, E, H, I
+        self.w13, self.w2 = w13, w2
+        self.w13_scale, self.w2_scale = w13_scale, w2_scale
+        self.w13_slow, self.w2_slow = w13_slow, w2_slow
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.w13, self.w2, self.w13_scale, self.w2_scale,
+                                                          self.w13_slow, self.w2_slow) if t is not None)
+
+    def __repr__(self) -> str:
+        return (f"PackedMoEWeights(quant='{self.quant}', E={self.E}, H={self.H}, I={self.I}, "
+                f"{self.nbytes / 2**20:.1f} MiB)")
+
+
+@torch.library.register_fake("moelab::fused_experts")
+def _fused_experts_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I, w13_scale, w2_scale,
+                        w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross):
+    return x.new_empty((x.shape[0], x.shape[1]))
+
+
+@torch.library.register_fake("moelab::prepack_moe_weight")
+def _prepack_fake(w, scale, quant):
+    E, N, last = w.shape
+    K = 2 * last if quant == "mxfp4" else last
+    n16, k2 = -(-N // 16), -(-K // 2)
+    per_group = {"bf16": k2 * 64, "fp8_block": k2 * 32, "mxfp4": (K // 4) * 32}[quant]
+    if quant == "bf16":
+        s = w.new_empty((0,), dtype=torch.float32)
+    elif quant == "fp8_block":
+        s = scale.new_empty(scale.shape)
+    else:
+        s = w.new_empty((E, n16 * (K // MX_BLOCK) * 16), dtype=torch.uint8)
+    return (w.new_empty((E, n16 * per_group), dtype=torch.uint8), s,
+            w.new_empty((E, -(-N // 64)), dtype=torch.uint8))
+
+
+def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
+                        w13_scale: Optional[torch.Tensor] = None,
+                        w2_scale: Optional[torch.Tensor] = None) -> PackedMoEWeights:
+    """Repack expert weights (SPEC 5 standard layout) once for `optimized.fused_experts`.
+
+    Args: w13 [E, 2I, H(/2)], w2 [E, H, I(/2)] and scales exactly as fused_experts takes
+        them for `quant` ("bf16" | "fp8_block" | "mxfp4"); CPU tensors.
+    Returns: a PackedMoEWeights (about the size of the quantized weights; the quantized
+        bytes are rearranged, never dequantized).
+    Raises: ValueError 'prepack_moe_weights: argument '<name>' ...' for a bad argument.
+    """
+    op = "prepack_moe_weights"
+    check_choice(op, "quant", quant, QUANT_FORMATS)
+    check_tensor(op, "w13", w13, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), contiguous=True)
+    if w13.device.type != "cpu":
+        fail(op, "w13", f"must be a CPU tensor, got {w13.device}")
+    E, two_i = w13.shape[0], w13.shape[1]
+    if E < 1 or two_i < 2 or two_i % 2:
+        fail(op, "w13", f"must have shape (E, 2*I, ...) with E >= 1 and I >= 1, got {tuple(w13.shape)}")
+    I = two_i // 2
+    H = 2 * w13.shape[2] if quant == "mxfp4" else w13.shape[2]
+    if H < 1:
+        fail(op, "w13", f"must have H >= 1, got shape {tuple(w13.shape)}")
+    if quant == "mxfp4" and (H % MX_BLOCK or I % MX_BLOCK):
+        fail(op, "w13", f"mxfp4 needs H and I to be multiples of {MX_BLOCK}, got H = {H}, I = {I}")
+    s13, s2, sc13, sc2 = expert_weight_shapes(quant, E, H, I)
+    check_tensor(op, "w2", w2, dtypes=(WEIGHT_DTYPES[quant],), shape=s2, device=w13.device, contiguous=True)
+    for name, s, shp in (("w13_scale", w13_scale, sc13), ("w2_scale", w2_scale, sc2)):
+        if shp is None:
+            if s is not None:
+                fail(op, name, f"must be None for quant '{quant}'")
+        else:
+            if s is None:
+                fail(op, name, f"is required for quant '{quant}'")
+            check_tensor(op, name, s, dtypes=(SCALE_DTYPES[quant],), shape=shp, device=w13.device,
+                         contiguous=True)
+    p13, q13, f13 = torch.ops.moelab.prepack_moe_weight(w13, w13_scale, quant)
+    p2, q2, f2 = torch.ops.moelab.prepack_moe_weight(w2, w2_scale, quant)
+    if quant == "bf16":
+        q13 = q2 = None
+    return PackedMoEWeights(quant, E, H, I, p13, p2, q13, q2, f13, f2)
+
+
+def _check_packed(x, w13: PackedMoEWeights, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
+                  w13_bias, w2_bias, activation, alpha, limit, dispatch):
+    """check_fused_experts' rules for a call with prepacked weights."""
+    op = "fused_experts"
+    check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16,))
+    T, H = x.shape
+    check_choice(op, "quant", quant, QUANT_FORMATS)
+    check_choice(op, "activation", activation, ACTIVATIONS)
+    check_choice(op, "dispatch", dispatch, DISPATCH_POLICIES)
+    check_float(op, "alpha", alpha)
+    check_float(op, "limit", limit)
+    if w13.quant != quant:
+        fail(op, "w13", f"was prepacked for quant '{w13.quant}', the call says quant '{quant}'")
+    if w13.H != H:
+        fail(op, "w13", f"was prepacked for H = {w13.H}, x has H = {H}")
+    if w2 is not None and w2 is not w13:
+        fail(op, "w2", "must be None (or the same PackedMoEWeights) when w13 is prepacked")
+    for name, s in (("w13_scale", w13_scale), ("w2_scale", w2_scale)):
+        if s is not None:
+            fail(op, name, "must be None with prepacked weights (the scales are inside)")
+    if x.device.type != "cpu":
+        fail(op, "x", f"must be on cpu like the prepacked weights, got {x.device}")
+    E, I = w13.E, w13.I
+    for name, b, shp in (("w13_bias", w13_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H))):
+        if b is not None:
+            check_tensor(op, name, b, dtypes=(torch.float32, torch.bfloat16), shape=shp, device=x.device)
+    check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
+    if topk_weights.shape[0] != T or topk_weights.shape[1] < 1:
+        fail(op, "topk_weights", f"must have shape ({T}, K) with K >= 1, got {tuple(topk_weights.shape)}")
+    check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, x.device, dtypes=(torch.int32,))
+    return E, I
+
+
+def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                  quant: str, w13_scale: Optional[torch.Tensor] = None,
+                  w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                  w2_bias: Optional[torch.Tensor] = None, activation: str = "silu", alpha: float = 1.702,
+                  limit: float = 7.0, dispatch: str = "auto") -> torch.Tensor:
+    """Same contract as reference.fused_experts (SPEC 5); w13 may be a PackedMoEWeights.
+
+    Returns [T, H] bf16. Raises ValueError (message 'fused_experts: argument <name> ...')
+    like the reference, plus for a PackedMoEWeights that does not match quant / H / E.
+    The kernel choice per expert block is `optimized.dispatch.explain("fused_experts", ...)`.
+    """
+    packed = isinstance(w13, PackedMoEWeights)
+    if packed:
+        E, I = _check_packed(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
+                             w13_bias, w2_bias, activation, alpha, limit, dispatch)
+        pw = w13
+        args = (pw.w13, pw.w2)
+        w13_scale, w2_scale, slow13, slow2 = pw.w13_scale, pw.w2_scale, pw.w13_slow, pw.w2_slow
+    else:
+        E, I = check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
+                                   w13_bias, w2_bias, activation, alpha, limit, dispatch)
+        if x.device.type != "cpu":
+            fail("fused_experts", "x", f"must be a CPU tensor (no moelab kernel for {x.device.type})")
+        args = (w13, w2)
+        slow13 = slow2 = None
+    T, K = topk_ids.shape
+    code, m_cross, _ = _dispatch.fused_experts_plan(T, K, E, quant, dispatch)
+    if T > 0 and x.stride(1) != 1:
+        x = x.contiguous()
+    return torch.ops.moelab.fused_experts(x, args[0], args[1], topk_weights, topk_ids, quant, packed, E, I,
+                                          w13_scale, w2_scale, slow13, slow2, w13_bias, w2_bias,
+                                          activation, float(alpha), float(limit), code, m_cross)

@@ -1,0 +1,154 @@
+"""`python -m optimized.tune [--quick] [--threads N] [--print]`: calibrate this machine's crossovers.
+
+fused_experts: for each weight format, one expert block of m rows (m = 1 .. 48) is run with
+the `tiny` and the `blocked` micro-kernel, interleaved and side by side
+(interleaved rounds, the minimum of each), on a realistic shape
+(fp8_block: Qwen3-30B-A3B's H=2048, I=768; mxfp4: GPT-OSS-20B's H=I=2880 with swiglu_oai and
+biases; bf16: OLMoE's H=2048, I=1024). The weights rotate over enough experts that every
+call reads them from memory, as in a model where each layer has its own. m_cross is the
+smallest m from which `blocked` is at least as fast as `tiny` at every larger measured m;
+`auto` then takes blocked for a block of m rows iff m >= m_cross.
+
+The result goes to optimized.dispatch.tune_file() (~/.cache/moelab/tune-<cpu>.json, or
+$MOELAB_CACHE_DIR), outside the repository: it describes this machine, not the code.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+SHAPES = {  # quant: (H, I, activation, biases)
+    "fp8_block": (2048, 768, "silu", False),
+    "mxfp4": (2880, 2880, "swiglu_oai", True),
+    "bf16": (2048, 1024, "silu", False),
+}
+M_GRID = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 24, 32, 48)
+
+
+def random_weights(quant: str, E: int, H: int, I: int, seed: int = 0):
+    """Quantized weights with realistic codes (normal values through the format's rounding),
+    built one expert at a time (no full-size f32 temporary)."""
+    g = torch.Generator().manual_seed(seed)
+    if quant == "mxfp4":    # every byte is two valid e2m1 codes; scales near 2^-6
+        return (torch.randint(0, 256, (E, 2 * I, H // 2), dtype=torch.uint8, generator=g),
+                torch.randint(0, 256, (E, H, I // 2), dtype=torch.uint8, generator=g),
+                torch.randint(118, 123, (E, 2 * I, H // 32), dtype=torch.uint8, generator=g),
+                torch.randint(118, 123, (E, H, I // 32), dtype=torch.uint8, generator=g))
+    dt = torch.bfloat16 if quant == "bf16" else torch.float8_e4m3fn
+    w13 = torch.empty(E, 2 * I, H, dtype=dt)
+    w2 = torch.empty(E, H, I, dtype=dt)
+    for e in range(E):
+        for w, fan_in in ((w13, H), (w2, I)):
+            v = torch.randn(w.shape[1:], generator=g)
+            w[e] = (v / fan_in ** 0.5).to(dt) if quant == "bf16" else (v * 64).clamp(-448, 448).to(dt)
+    if quant == "bf16":
+        return w13, w2, None, None
+    s13 = torch.full((E, -(-2 * I // 128), -(-H // 128)), 1.0 / (64 * H ** 0.5))
+    s2 = torch.full((E, -(-H // 128), -(-I // 128)), 1.0 / (64 * I ** 0.5))
+    return w13, w2, s13, s2
+
+
+def _time(fn, min_time: float) -> float:
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        el = time.perf_counter() - t0
+        if el >= min_time and n >= 3:
+            return el / n
+
+
+def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, cold_bytes: int = 256 << 20):
+    """{m: (tiny seconds, blocked seconds)} for one block of m rows: the minimum over rounds
+    (on a shared machine other processes only ever add time, so the minimum is the least
+    disturbed measurement of each kernel)."""
+    import optimized
+    H, I, act, biased = SHAPES[quant]
+    w13, w2, s13, s2 = random_weights(quant, 1, H, I)
+    per_expert = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
+    E = max(2, min(128, -(-cold_bytes // per_expert)))
+    w13, w2, s13, s2 = random_weights(quant, E, H, I)
+    pw = optimized.prepack_moe_weights(w13, w2, quant, s13, s2)
+    del w13, w2
+    g = torch.Generator().manual_seed(1)
+    b13 = torch.randn(E, 2 * I, generator=g) if biased else None
+    b2 = torch.randn(E, H, generator=g) if biased else None
+    out = {}
+    for m in m_grid:
+        x = torch.randn(m, H, generator=g).bfloat16()
+        tw = torch.rand(m, 1, generator=g)
+        state = {"e": 0}
+
+        def call(policy):
+            state["e"] = (state["e"] + 1) % E          # a different (cold) expert every call
+            ids = torch.full((m, 1), state["e"], dtype=torch.int32)
+            optimized.fused_experts(x, pw, None, tw, ids, quant=quant, w13_bias=b13, w2_bias=b2,
+                                    activation=act, dispatch=policy)
+
+        call("tiny"), call("blocked")
+        times = {"tiny": [], "blocked": []}
+        for _ in range(rounds):
+            for p in times:
+                times[p].append(_time(lambda: call(p), min_time))
+        out[m] = (min(times["tiny"]), min(times["blocked"]))
+    return out
+
+
+def crossover(meas: dict) -> int:
+    """Smallest m from which blocked <= tiny at every larger measured m (max grid m + 1 if never)."""
+    ms = sorted(meas)
+    best = ms[-1] + 1
+    for m in reversed(ms):
+        t_tiny, t_blocked = meas[m]
+        if t_blocked <= t_tiny:
+            best = m
+        else:
+            break
+    return best
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m optimized.tune", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="fewer m values and rounds")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--formats", default=",".join(SHAPES))
+    p.add_argument("--print", action="store_true", help="print the stored file and exit")
+    a = p.parse_args(argv)
+    from . import dispatch
+    path = dispatch.tune_file()
+    if a.print:
+        print(path)
+        print(path.read_text() if path.exists() else "(none)")
+        return 0
+    torch.set_num_threads(a.threads)
+    grid = (1, 2, 4, 6, 8, 16) if a.quick else M_GRID
+    result = {"threads": a.threads, "torch": torch.__version__, "m_cross": {}, "seconds": {}}
+    for q in a.formats.split(","):
+        meas = measure(q, grid, rounds=3 if a.quick else 5, min_time=0.01 if a.quick else 0.03)
+        result["m_cross"][q] = crossover(meas)
+        result["seconds"][q] = {str(m): list(v) for m, v in meas.items()}
+        print(f"{q:10s} m_cross = {result['m_cross'][q]:3d}   " +
+              "  ".join(f"m={m}: {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f}" for m, v in meas.items()) +
+              "  (tiny/blocked ms)", flush=True)
+    data = {}
+    if path.exists():
+        try:
+            data = json.loads(path.read_text())
+        except ValueError:
+            data = {}
+    old = data.get("fused_experts", {}).get("m_cross", {})
+    result["m_cross"] = {**old, **result["m_cross"]}
+    data["fused_experts"] = result
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1))
+    dispatch.reload_tuning()
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
