@@ -337,7 +337,8 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 8}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
-_tuned: dict | None = None
+_tuned: dict = {}
+_tuned_src = "default (no tune file)"
 
 
 def _machine_slug() -> str:
@@ -366,27 +367,29 @@ def tune_file():
     return Path(root) / f"tune-{_machine_slug()}.json"
 
 
+def _read_tuning() -> tuple[dict, str]:
+    import json
+    try:
+        path = tune_file()
+        data = json.loads(path.read_text())
+        tuned = {q: v for q, v in data.get("fused_experts", {}).get("m_cross", {}).items()
+                 if isinstance(v, int) and 1 <= v <= 1 << 20}
+        return tuned, f"tuned ({path.name})"
+    except (OSError, ValueError, AttributeError):
+        return {}, "default (no tune file)"
+
+
 def reload_tuning() -> None:
-    """Forget the cached tune file (after `python -m optimized.tune` wrote a new one)."""
-    global _tuned
-    _tuned = None
+    """Re-read the tune file (after `python -m optimized.tune` wrote a new one). It is read
+    once at import, never inside a call, so torch.compile can trace fused_experts."""
+    global _tuned, _tuned_src
+    _tuned, _tuned_src = _read_tuning()
 
 
 def fused_experts_m_cross(quant: str) -> tuple[int, str]:
     """(m_cross, where it came from) of policy `auto` for a weight format."""
-    global _tuned
-    if _tuned is None:
-        import json
-        _tuned = {}
-        try:
-            data = json.loads(tune_file().read_text())
-            for q, v in data.get("fused_experts", {}).get("m_cross", {}).items():
-                if isinstance(v, int) and 1 <= v <= 1 << 20:
-                    _tuned[q] = v
-        except (OSError, ValueError, AttributeError):
-            _tuned = {}
     if quant in _tuned:
-        return _tuned[quant], f"tuned ({tune_file().name})"
+        return _tuned[quant], _tuned_src
     return FUSED_EXPERTS_DEFAULT_M_CROSS[quant], "default (no tune file)"
 
 
@@ -447,3 +450,6 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
 
 
 _EXPLAINERS["fused_experts"] = fused_experts_decision
+
+
+reload_tuning()
