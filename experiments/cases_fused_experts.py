@@ -268,23 +268,50 @@ def geomean(v):
 
 
 # -------------------------------------------------------------------------- report
+def best_read_bandwidth(nbytes: int = 256 << 20, rounds: int = 9) -> float:
+    """Read bandwidth from the fastest of several large f32 sums: on a shared machine other
+    processes only ever slow a round down, so the best round is the least disturbed one (the
+    same statistic as the `best` columns of run_targets)."""
+    import time
+    x = torch.ones(nbytes // 4, dtype=torch.float32)
+    x.sum()
+    best = float("inf")
+    for _ in range(rounds):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best
+
+
 def run_targets(quick: bool, rounds: int):
-    bw = timing.read_bandwidth()
+    """Every target of issue 5. Per point: interleaved rounds (timing.compare); speedup = the
+    median of per-round ratios; GB/s and the bandwidth fraction from the median time against
+    timing.read_bandwidth() (median), and, as `best`, from the fastest round against the
+    fastest read-bandwidth round (best_read_bandwidth)."""
+    bw, bw_best = timing.read_bandwidth(), best_read_bandwidth()
     rows = []
+
+    def row(point, t, base, nbytes, fl, target, met_fn, **extra):
+        sp = timing.ratio(t[base], t["ours"])
+        med, best = t["ours"].median, min(t["ours"].times)
+        r = {"point": point, "ours_us": med * 1e6, "ours_best_us": best * 1e6, "ours_iqr_us": t["ours"].iqr * 1e6,
+             "base_us": t[base].median * 1e6, "base_best_us": min(t[base].times) * 1e6,
+             "speedup": sp[0], "speedup_min": sp[1], "speedup_max": sp[2],
+             "speedup_best": min(t[base].times) / best,
+             "GBps": nbytes / med / 1e9, "bw_frac": nbytes / med / bw,
+             "GBps_best": nbytes / best / 1e9, "bw_frac_best": nbytes / best / bw_best,
+             "GFLOPs": fl / med / 1e9, "target": target, **extra}
+        r["met"] = met_fn(r)
+        rows.append(r)
+
     for name, T, tw, ids, target in decode_points(quick):
         d = shape_data(name, eager=True)
         x = _x(T, d.s["H"])
         t = timing.compare({"eager": lambda: d.eager_call(x, tw, ids), "ours": lambda: d.ours(x, tw, ids)},
                            rounds=rounds)
-        sp = timing.ratio(t["eager"], t["ours"])
-        nbytes = d.routed_bytes(ids)
-        rows.append({"point": f"decode {name} T={T}", "ours_us": t["ours"].median * 1e6,
-                     "ours_iqr_us": t["ours"].iqr * 1e6, "base_us": t["eager"].median * 1e6,
-                     "speedup": sp[0], "speedup_min": sp[1], "speedup_max": sp[2],
-                     "GBps": nbytes / t["ours"].median / 1e9, "bw_frac": nbytes / t["ours"].median / bw,
-                     "GFLOPs": d.flops(ids) / t["ours"].median / 1e9,
-                     "target": f"bw>=60%" + (f", >={target}x eager" if target else ""),
-                     "met": nbytes / t["ours"].median / bw >= 0.6 and (target is None or sp[0] >= target)})
+        row(f"decode {name} T={T}", t, "eager", d.routed_bytes(ids), d.flops(ids),
+            "bw>=60%" + (f", >={target}x eager" if target else ""),
+            lambda r, target=target: r["bw_frac"] >= 0.6 and (target is None or r["speedup"] >= target))
     if not quick:
         for name in ("qwen3-30b-a3b", "gpt-oss-20b"):
             d = shape_data(name, eager=False)
@@ -294,16 +321,11 @@ def run_targets(quick: bool, rounds: int):
             dense = prefill_dense(d, PREFILL_T * s["K"])
             t = timing.compare({"dense": dense, "ours": lambda: d.ours(x, tw, ids)}, rounds=max(3, rounds // 2),
                                min_time=0.2)
-            sp = timing.ratio(t["dense"], t["ours"])
             fl = d.flops(ids)
-            rows.append({"point": f"prefill {name} T={PREFILL_T}", "ours_us": t["ours"].median * 1e6,
-                         "ours_iqr_us": t["ours"].iqr * 1e6, "base_us": t["dense"].median * 1e6,
-                         "speedup": sp[0], "speedup_min": sp[1], "speedup_max": sp[2],
-                         "GBps": s["E"] * d.expert_bytes / t["ours"].median / 1e9,
-                         "bw_frac": s["E"] * d.expert_bytes / t["ours"].median / bw,
-                         "GFLOPs": fl / t["ours"].median / 1e9, "dense_GFLOPs": fl / t["dense"].median / 1e9,
-                         "target": ">=50% of dense GFLOP/s", "met": sp[0] >= 0.5})
-    return bw, rows
+            row(f"prefill {name} T={PREFILL_T}", t, "dense", s["E"] * d.expert_bytes, fl,
+                ">=50% of dense GFLOP/s", lambda r: r["speedup"] >= 0.5,
+                dense_GFLOPs=fl / t["dense"].median / 1e9)
+    return bw, bw_best, rows
 
 
 def main(argv=None) -> int:
@@ -319,14 +341,15 @@ def main(argv=None) -> int:
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
     if not a.no_targets:
-        bw, rows = run_targets(a.quick, a.rounds)
-        print(f"read bandwidth (same run): {bw / 1e9:.1f} GB/s")
-        print(f"{'point':<34}{'ours us':>10}{'base us':>10}{'speedup (min..max)':>22}{'GB/s':>8}{'bw':>6}"
-              f"{'GFLOP/s':>9}  target")
+        bw, bw_best, rows = run_targets(a.quick, a.rounds)
+        print(f"read bandwidth (same run): {bw / 1e9:.1f} GB/s median, {bw_best / 1e9:.1f} GB/s best round; "
+              f"load average {_loadavg()}")
+        print(f"{'point':<30}{'ours us':>9}{'(best)':>8}{'base us':>9}{'speedup (min..max)':>22}{'GB/s':>7}"
+              f"{'bw':>5}{'best':>6}{'GFLOP/s':>9}  target")
         for r in rows:
-            print(f"{r['point']:<34}{r['ours_us']:>10.0f}{r['base_us']:>10.0f}"
+            print(f"{r['point']:<30}{r['ours_us']:>9.0f}{r['ours_best_us']:>8.0f}{r['base_us']:>9.0f}"
                   f"{r['speedup']:>9.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
-                  f"{r['GBps']:>8.1f}{r['bw_frac']:>6.0%}{r['GFLOPs']:>9.1f}  "
+                  f"{r['GBps']:>7.1f}{r['bw_frac']:>5.0%}{r['bw_frac_best']:>6.0%}{r['GFLOPs']:>9.1f}  "
                   f"{'ok' if r['met'] else 'MISS'} {r['target']}"
                   + (f" (dense {r['dense_GFLOPs']:.0f} GFLOP/s)" if "dense_GFLOPs" in r else ""))
         _write(a.csv, "fused_experts_targets.csv", rows)
@@ -348,6 +371,14 @@ def main(argv=None) -> int:
               f"auto >3% slower than the best fixed at {sum(r['auto_vs_best'] < 0.97 for r in grid)} of {len(grid)}")
         _write(a.csv, "fused_experts_grid.csv", grid)
     return 0
+
+
+def _loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
 
 
 def _write(folder, fname, rows):

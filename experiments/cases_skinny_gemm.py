@@ -47,11 +47,28 @@ def cases(quick: bool):
     return out
 
 
-def crossover(rounds: int = 3) -> list[dict]:
+def _alternating(a, b, n: int):
+    """Per-call times of a and b, called alternately (a, b / b, a), so both see the same
+    machine: on a shared machine the load changes faster than blocks of calls last."""
+    import time
+    ta, tb = [], []
+    for _ in range(10):
+        a(), b()
+    for i in range(n):
+        first, second = (a, b) if i % 2 else (b, a)
+        t0 = time.perf_counter(); first(); t1 = time.perf_counter(); second(); t2 = time.perf_counter()
+        (ta if i % 2 else tb).append(t1 - t0)
+        (tb if i % 2 else ta).append(t2 - t1)
+    return ta, tb
+
+
+def crossover(calls: int = 400) -> list[dict]:
     """The measurement behind optimized.dispatch's skinny-vs-library policy: skinny_gemm
     (the raw op, no Python validation) vs F.linear for every dtype, T = 1..8 and small to
-    large weights, cold weights. `python -m experiments.cases_skinny_gemm` prints it."""
-    from .timing import compare, ratio
+    large weights, cold weights, calls alternated one by one; speedup = median of the
+    per-call-pair ratios (with the 25..75% range). `python -m experiments.cases_skinny_gemm`
+    prints it."""
+    import statistics
     rows = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         es = torch.tensor([], dtype=dtype).element_size()
@@ -59,13 +76,12 @@ def crossover(rounds: int = 3) -> list[dict]:
             ws = Rotating(lambda N=N, K=K: torch.randn(N, K).to(dtype), N * K * es)
             for T in (1, 2, 4, 8):
                 x = torch.randn(T, K).to(dtype)
-                t = compare({"F.linear": lambda x=x, ws=ws: F.linear(x, ws.next()),
-                             "skinny": lambda x=x, ws=ws: torch.ops.moelab.skinny_gemm(x, ws.next(), None)},
-                            rounds=rounds, min_time=0.02)
-                sp, lo, hi = ratio(t["F.linear"], t["skinny"])
+                tl, ts = _alternating(lambda x=x, ws=ws: F.linear(x, ws.next()),
+                                      lambda x=x, ws=ws: torch.ops.moelab.skinny_gemm(x, ws.next(), None), calls)
+                r = sorted(a / b for a, b in zip(tl, ts))
                 rows.append({"dtype": str(dtype).replace("torch.", ""), "N": N, "K": K, "T": T,
-                             "linear_us": t["F.linear"].median * 1e6, "skinny_us": t["skinny"].median * 1e6,
-                             "speedup": sp, "min": lo, "max": hi})
+                             "linear_us": statistics.median(tl) * 1e6, "skinny_us": statistics.median(ts) * 1e6,
+                             "speedup": r[len(r) // 2], "q25": r[len(r) // 4], "q75": r[3 * len(r) // 4]})
     return rows
 
 
@@ -75,7 +91,7 @@ if __name__ == "__main__":
     from .timing import machine
     m = machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
-    print(f"{'dtype':<10}{'N':>6}{'K':>6}{'T':>3}{'F.linear us':>13}{'skinny us':>11}{'speedup (min..max)':>22}")
+    print(f"{'dtype':<10}{'N':>6}{'K':>6}{'T':>3}{'F.linear us':>13}{'skinny us':>11}{'speedup (25..75%)':>22}")
     for r in crossover():
         print(f"{r['dtype']:<10}{r['N']:>6}{r['K']:>6}{r['T']:>3}{r['linear_us']:>13.1f}{r['skinny_us']:>11.1f}"
-              f"{r['speedup']:>9.2f}x ({r['min']:.2f}..{r['max']:.2f})")
+              f"{r['speedup']:>9.2f}x ({r['q25']:.2f}..{r['q75']:.2f})", flush=True)

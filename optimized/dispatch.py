@@ -136,36 +136,73 @@ def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
 
 
 # ----------------------------------------------------------- unquantized_gemm (skinny vs library)
-# skinny_gemm streams the weight once for all T <= 8 tokens (memory-bound, like router_gemm);
-# F.linear (oneDNN/MKL) is tuned for large T. SKINNY_MAX_T is the contract's limit of the
-# kernel; SKINNY_DTYPES are the dtypes it takes. Measured crossover: see SKINNY_MEASURED.
+# skinny_gemm streams the weight once for all T <= 8 tokens (a memory-bound decode GEMM);
+# F.linear (oneDNN/MKL) is tuned for large T. SKINNY_MAX_T is the kernel's contract limit.
+# Measured crossover (`python -m experiments.cases_skinny_gemm`: the raw op vs F.linear,
+# weights rotating through cold copies, calls alternated one by one, 2 threads, AMD EPYC with
+# AVX-512 BF16, torch 2.13; median of per-call ratios):
+#   bf16: skinny 1.5-4.8x faster at every T <= 8, weights 1 KiB .. 16 MiB (T = 8 is the
+#         smallest win: 1.5x at 513x4096);
+#   f16:  1.0-1.3x at T = 1 (F.linear has a good f16 GEMV), 1.4-5x at T = 2..8;
+#   f32:  2-3.5x from 256 KiB of weight on; at T = 1 with <= 128 KiB, F.linear (MKL
+#         SGEMV) is ~0.3 us faster (0.85-0.98x): SKINNY_F32_T1_MIN_BYTES.
+# Above T = 8 the library GEMM runs, except in batch-invariant mode, where the batch goes
+# through skinny_gemm in chunks of SKINNY_MAX_T rows (each row's reduction order stays fixed;
+# the weight is then read once per chunk, ceil(T/8) reads instead of one). In batch-invariant
+# mode the f32 T = 1 exception is off too: a row alone must equal the row inside a batch.
 SKINNY_MAX_T = 8
-SKINNY_MIN_T = 1
-SKINNY_DTYPES = ("torch.bfloat16", "torch.float16", "torch.float32")
-SKINNY_MEASURED = "provisional"
+SKINNY_DTYPES = ("bfloat16", "float16", "float32")
+SKINNY_F32_T1_MIN_BYTES = 256 << 10
+_SKINNY_TORCH_DTYPES = frozenset(getattr(torch, name) for name in SKINNY_DTYPES)
+
+
+def _dtype_name(t) -> str:
+    return str(t.dtype).replace("torch.", "")
+
+
+def unquantized_gemm_kernel(x, weight) -> str:
+    """The kernel optimized.unquantized_gemm runs (the hot path: no reason string on CPU;
+    on a CUDA/ROCm device the GPU policy below decides)."""
+    if x.device.type == "cuda":
+        return gpu_decision("unquantized_gemm", x, weight).kernel
+    if x.device.type != "cpu" or x.dtype not in _SKINNY_TORCH_DTYPES:
+        return "library"
+    T = x.shape[0]
+    if T <= SKINNY_MAX_T:
+        if (T == 1 and x.dtype == torch.float32 and not _batch_invariant
+                and weight.numel() * 4 < SKINNY_F32_T1_MIN_BYTES):
+            return "library"
+        return "skinny"
+    return "skinny_chunked" if _batch_invariant else "library"
 
 
 def unquantized_gemm_decision(x, weight, bias=None) -> Decision:
+    """skinny (T <= 8, CPU, bf16/f16/f32), skinny_chunked (T > 8 in batch-invariant mode),
+    or library (F.linear: other devices, T > 8, f32 T = 1 small weights; not batch invariant)."""
     op = "unquantized_gemm"
     T = x.shape[0]
     if x.device.type == "cuda":
         return gpu_decision(op, x, weight, bias)
+    kernel = unquantized_gemm_kernel(x, weight)
+    lib = "F.linear (library GEMM; NOT batch invariant, its blocking may change with T; " \
+          "set_batch_invariant(True) avoids it)"
     if x.device.type != "cpu":
-        return Decision(op, "library", f"no moelab kernel for device {x.device.type}: F.linear")
-    if str(x.dtype) not in SKINNY_DTYPES:
-        return Decision(op, "library", f"skinny_gemm does not take {x.dtype}: F.linear")
+        return Decision(op, kernel, f"no moelab kernel for device {x.device.type}: F.linear")
+    if _dtype_name(x) not in SKINNY_DTYPES:
+        return Decision(op, kernel, f"skinny_gemm does not take {_dtype_name(x)}: F.linear")
+    if kernel == "skinny":
+        mode = ", batch-invariant mode" if _batch_invariant else ""
+        return Decision(op, kernel, f"T = {T} <= {SKINNY_MAX_T}{mode}: skinny_gemm streams the weight once "
+                                    f"for all tokens, faster than F.linear here (measured: "
+                                    f"experiments/cases_skinny_gemm.crossover); batch invariant")
+    if kernel == "skinny_chunked":
+        return Decision(op, kernel, f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
+                                    f"over {-(-T // SKINNY_MAX_T)} chunks of <= {SKINNY_MAX_T} rows "
+                                    f"(invariant; reads the weight once per chunk)")
     if T <= SKINNY_MAX_T:
-        if _batch_invariant:
-            return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}, batch-invariant mode: skinny_gemm "
-                                          f"(fixed reduction order per output)")
-        return Decision(op, "skinny", f"T = {T} <= {SKINNY_MAX_T}: skinny_gemm streams the weight once "
-                                      f"({SKINNY_MEASURED})")
-    if _batch_invariant:
-        return Decision(op, "skinny_chunked", f"T = {T} > {SKINNY_MAX_T} in batch-invariant mode: skinny_gemm "
-                                              f"over chunks of {SKINNY_MAX_T} rows (invariant; reads the weight "
-                                              f"{-(-T // SKINNY_MAX_T)} times)")
-    return Decision(op, "library", f"T = {T} > {SKINNY_MAX_T}: F.linear (library GEMM; NOT batch invariant, "
-                                   f"its blocking may change with T)")
+        return Decision(op, kernel, f"T = 1, float32, weight {weight.numel() * 4} bytes < "
+                                    f"{SKINNY_F32_T1_MIN_BYTES}: MKL's SGEMV beats skinny_gemm by ~0.3 us; {lib}")
+    return Decision(op, kernel, f"T = {T} > {SKINNY_MAX_T}: {lib}")
 
 
 _EXPLAINERS = {"router_gemm": router_gemm_decision, "route": route_decision,
@@ -277,7 +314,6 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
     """The GPU policy of `op` (tensors on a CUDA/ROCm device): which kernel, and why."""
     return _GPU_POLICIES[op](*args, **kwargs)
 
-
 # ---------------------------------------------------------------- fused_experts
 # Two micro-kernels per expert block of m rows (docs/fused_experts.md): `tiny` decodes the
 # weight tile in registers for every chunk of <= 4 rows; `blocked` decodes it once into a
@@ -301,7 +337,8 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 8}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
-_tuned: dict | None = None
+_tuned: dict = {}
+_tuned_src = "default (no tune file)"
 
 
 def _machine_slug() -> str:
@@ -330,27 +367,29 @@ def tune_file():
     return Path(root) / f"tune-{_machine_slug()}.json"
 
 
+def _read_tuning() -> tuple[dict, str]:
+    import json
+    try:
+        path = tune_file()
+        data = json.loads(path.read_text())
+        tuned = {q: v for q, v in data.get("fused_experts", {}).get("m_cross", {}).items()
+                 if isinstance(v, int) and 1 <= v <= 1 << 20}
+        return tuned, f"tuned ({path.name})"
+    except (OSError, ValueError, AttributeError):
+        return {}, "default (no tune file)"
+
+
 def reload_tuning() -> None:
-    """Forget the cached tune file (after `python -m optimized.tune` wrote a new one)."""
-    global _tuned
-    _tuned = None
+    """Re-read the tune file (after `python -m optimized.tune` wrote a new one). It is read
+    once at import, never inside a call, so torch.compile can trace fused_experts."""
+    global _tuned, _tuned_src
+    _tuned, _tuned_src = _read_tuning()
 
 
 def fused_experts_m_cross(quant: str) -> tuple[int, str]:
     """(m_cross, where it came from) of policy `auto` for a weight format."""
-    global _tuned
-    if _tuned is None:
-        import json
-        _tuned = {}
-        try:
-            data = json.loads(tune_file().read_text())
-            for q, v in data.get("fused_experts", {}).get("m_cross", {}).items():
-                if isinstance(v, int) and 1 <= v <= 1 << 20:
-                    _tuned[q] = v
-        except (OSError, ValueError, AttributeError):
-            _tuned = {}
     if quant in _tuned:
-        return _tuned[quant], f"tuned ({tune_file().name})"
+        return _tuned[quant], _tuned_src
     return FUSED_EXPERTS_DEFAULT_M_CROSS[quant], "default (no tune file)"
 
 
@@ -411,3 +450,6 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
 
 
 _EXPLAINERS["fused_experts"] = fused_experts_decision
+
+
+reload_tuning()

@@ -61,11 +61,11 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tens
 
 
 def unquantized_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Same contract as reference.unquantized_gemm (any T); the kernel choice is
-    dispatch.unquantized_gemm_decision's: skinny_gemm, skinny_gemm over chunks of 8 rows
-    (batch-invariant mode, T > 8), or torch.nn.functional.linear."""
+    """Same contract as reference.unquantized_gemm (any T). The kernel is
+    dispatch.unquantized_gemm_kernel(x, weight) (dispatch.explain says why): skinny_gemm,
+    skinny_gemm over chunks of 8 rows (batch-invariant mode, T > 8), or F.linear."""
     check_unquantized_gemm(x, weight, bias)
-    kernel = dispatch.unquantized_gemm_decision(x, weight, bias).kernel
+    kernel = dispatch.unquantized_gemm_kernel(x, weight)
     if kernel == "skinny":
         return _skinny(x, weight, bias)
     if kernel == "skinny_chunked":

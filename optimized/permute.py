@@ -46,7 +46,8 @@ class PermuteScratch(_ref.PermuteScratch):
     histogram / cursors of the counting sort (on a GPU: the GPU sort's workspace, one
     histogram per unit of rows, optimized.gpu.permute_counts_numel elements). Buffer contents
     between calls are unspecified; the views a call returns stay valid until the next call
-    with this scratch.
+    with this scratch. The buffers are fixed at construction (the per-T views are cached);
+    make a new scratch rather than assigning new tensors to its attributes.
     """
 
     def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,

@@ -13,5 +13,5 @@ Modules:
     report         summary table, Markdown and JSON reports
     corpus/        failing cases found so far (JSON lines), replayed by the test suite
 """
-from .registry import REGISTRY, CaseResult, OpInfo  # noqa: F401
+from .registry import REGISTRY, CaseResult, OpInfo  # noqa: F401  (the public API)
 from .runner import run, run_case, run_cell, run_mutants  # noqa: F401

@@ -18,14 +18,17 @@
 // exactly what the reference's `acc + weights[:, j] * expert_out[p].float()` does in
 // separate torch ops, so the result is bit-identical to the reference. An empty asm
 // barrier on the product (no_contract) keeps the compiler from contracting mul+add into an
-// FMA whatever -ffp-contract says. Starting from +0 (not from the first term) matches the
+// FMA whatever -ffp-contract says (without it GCC does fuse them at the AVX2/AVX-512 levels,
+// and the bitwise tests fail). Starting from +0 (not from the first term) matches the
 // reference too: +0 + (-0) = +0.
 //
-// Floors (2 threads here, ~30-55 GB/s read):
+// Floors (2 cores here, ~30-55 GB/s DRAM read; no flops in permute):
 //   permute:   bytes >= T*H*es (read, each token row once; the K re-reads hit cache) +
-//              capacity*H*es (write) + ~12*T*K (indices). E=64, K=8, H=4096, bf16, T=512:
-//              4 MB + 32 MB -> ~1 ms at 35 GB/s; T=8: 0.6 MB, L2-resident (~10-20 us).
-//              No flops.
+//              capacity*H*es (write) + ~12*T*K (indices). E=64, K=8, H=4096 bf16: T=8 writes
+//              512 KB (L2-resident: ~4 us at the ~130 GB/s one core's memcpy reaches), T=64
+//              4 MB (L3: ~46 us on one core, 90 GB/s), T=512 32 MB (~0.7 ms on one core at
+//              47 GB/s; two cores share the DRAM bandwidth). The kernel runs at memcpy speed;
+//              what is left above the floor at small T is the fixed cost of a call.
 //   unpermute: bytes >= T*K*H*es (read) + T*H*es (write); flops = 2*T*K*H (negligible:
 //              bandwidth-bound by ~2 orders of magnitude).
 #include "permute.h"  // declarations (and the status codes), before the ISA pragma

@@ -5,6 +5,8 @@
 // tensors. Rows of x and weight may be strided (any row stride torch allows); along K both
 // need unit stride (or K == 1). T > 8 is refused here too, so a direct call cannot exceed
 // the contract.
+#include <torch/csrc/autograd/custom_function.h>
+
 #include "../cpu/skinny_gemm.h"
 #include "common.h"
 
@@ -14,7 +16,7 @@ namespace {
 constexpr const char* kOp = "skinny_gemm";
 constexpr int64_t kMaxT = 8;
 constexpr int64_t kRowsPerBlock = 4;         // the kernel's row tile
-constexpr int64_t kMinBytesPerTask = 64 << 10;  // below this one thread does it all
+constexpr int64_t kMinBytesPerTask = 128 << 10;  // less weight per thread: fewer threads
 
 Fmt fmt_of(const at::Tensor& t) {
   switch (t.scalar_type()) {
@@ -64,6 +66,47 @@ at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
   return out;
 }
 
+// Autograd: y = x @ w.T + b, so dx = dy @ w, dw = dy.T @ x, db = sum over rows of dy (plain
+// ATen ops; training is not this kernel's purpose, but a gradient must never be silently
+// missing). In C++ so that calls without gradients pay no Python autograd dispatch.
+at::Tensor skinny_gemm_call(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& b) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("moelab::skinny_gemm", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&)>();
+  return op.call(x, w, b);
+}
+
+class SkinnyGemmFunction : public torch::autograd::Function<SkinnyGemmFunction> {
+ public:
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x, const at::Tensor& w,
+                            const std::optional<at::Tensor>& b) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({x, w});
+    ctx->saved_data["has_bias"] = b.has_value();
+    return skinny_gemm_call(x, w, b);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &w = saved[1], &dy = grads[0];
+    at::Tensor dx, dw, db;
+    if (ctx->needs_input_grad(0)) dx = dy.matmul(w);
+    if (ctx->needs_input_grad(1)) dw = dy.t().matmul(x);
+    if (ctx->saved_data["has_bias"].toBool() && ctx->needs_input_grad(2)) db = dy.sum(0);
+    return {dx, dw, db};
+  }
+};
+
+at::Tensor skinny_gemm_autograd(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  const bool grad = at::GradMode::is_enabled() &&
+                    (x.requires_grad() || weight.requires_grad() || (bias.has_value() && bias->requires_grad()));
+  if (!grad) {  // inference: skip building an autograd node (saves ~1 us per call)
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return skinny_gemm_call(x, weight, bias);
+  }
+  return SkinnyGemmFunction::apply(x, weight, bias);
+}
+
 const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512Bf16);
 
 }  // namespace
@@ -73,3 +116,4 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
   m.def("skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) { m.impl("skinny_gemm", &moelab::skinny_gemm_cpu); }
+TORCH_LIBRARY_IMPL(moelab, Autograd, m) { m.impl("skinny_gemm", &moelab::skinny_gemm_autograd); }
