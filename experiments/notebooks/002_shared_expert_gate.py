@@ -81,20 +81,22 @@ long = df.melt(id_vars=["H", "N", "T"], value_vars=["linear_ms_per_100_steps", "
 long["path"] = long["path"].map({"linear_ms_per_100_steps": "F.linear (before)",
                                  "ours_ms_per_100_steps": "unquantized_gemm -> skinny (after)"})
 long["shape"] = "N=" + long["N"].astype(str) + ", H=" + long["H"].astype(str)
-fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
-sns.barplot(long, x="T", y="ms", hue="path", ax=a1, errorbar=None,
-            palette=["#c44e52", "#4c72b0"]) if long["shape"].nunique() == 1 else \
-    sns.lineplot(long, x="T", y="ms", hue="shape", style="path", marker="o", ax=a1)
-a1.set(xlabel="decode tokens T", ylabel="ms per 100 decode steps (one layer)",
-       title="fused [E+1, H] gate GEMM, bf16, cold weights")
 df["shape"] = "N=" + df["N"].astype(str) + ", H=" + df["H"].astype(str)
-for shape, g in df.groupby("shape"):
+shapes = sorted(df["shape"].unique())
+colors = dict(zip(shapes, sns.color_palette(n_colors=len(shapes))))
+fig, (a1, a2) = plt.subplots(1, 2, figsize=(14, 4.8))
+sns.lineplot(long, x="T", y="ms", hue="shape", hue_order=shapes, palette=colors, style="path", marker="o", ax=a1)
+a1.set(xlabel="decode tokens T", ylabel="ms per 100 decode steps (one layer)", ylim=(0, None),
+       title="fused [E+1, H] gate GEMM, bf16, cold weights")
+a1.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+for shape in shapes:
+    g = df[df["shape"] == shape]
     a2.errorbar(g["T"], g["speedup"], yerr=[g["speedup"] - g["speedup_min"], g["speedup_max"] - g["speedup"]],
-                marker="o", capsize=3, label=shape)
+                marker="o", capsize=3, label=shape, color=colors[shape])
 a2.axhline(1, color="grey", lw=1)
 a2.axhline(nb.claim("002-gate-gemm-100-steps")["ratio"], color="red", ls=":", lw=1, label="seed: 1.99x (ROCm)")
-a2.set(xlabel="decode tokens T", ylabel="speedup over F.linear (x)",
-       title=f"{stamp['cpu']}, {stamp['threads']} threads, ISA {stamp['isa']}")
+a2.set(xlabel="decode tokens T", ylabel="speedup over F.linear (x; bars: min..max over rounds)",
+       title=f"{stamp['cpu']}, {stamp['threads']} thread(s), ISA {stamp['isa']}")
 a2.legend(fontsize=8)
 fig.tight_layout()
 nb.save_figure(fig, "002_shared_expert_gate")
