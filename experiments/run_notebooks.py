@@ -77,7 +77,7 @@ def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def report(out: Path, mode: str, runs: list[dict]) -> Path:
+def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
     from . import nb, timing
     m = timing.machine()
     res = timing.results_dir(out / "results")
@@ -97,6 +97,11 @@ def report(out: Path, mode: str, runs: list[dict]) -> Path:
         + f"; torch threads used: {threads_used or '?'} (per notebook in the Runs table).",
         "",
     ]
+    if note or os.environ.get("MOELAB_NB_THREADS"):
+        lines += [f"Threads: {note or 'MOELAB_NB_THREADS=' + os.environ['MOELAB_NB_THREADS'] + ' was set for this run'}"
+                  f". With 2 threads on a shared 2-core machine every parallel region waits a scheduler slice "
+                  f"(4-8 ms) for a descheduled thread, which makes multi-thread timings meaningless; one thread "
+                  f"is slower in absolute terms but its ratios are sound.", ""]
     if loaded:
         lines += [f"**Measured under load**: the machine was shared while these numbers were taken (1-minute "
                   f"load average up to {max(r['load'] for r in runs):.1f} on {os.cpu_count()} cores). Ratios are "
@@ -192,13 +197,21 @@ def main(argv=None) -> int:
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
     a = p.parse_args(argv)
     out = Path(a.out).resolve() if a.out else HERE
+    note = ""
+    if not os.environ.get("MOELAB_NB_THREADS") and a.mode != "tiny":
+        from . import nb
+        if nb.parallel_stalls():   # decide once for the whole run, so every notebook uses the same count
+            os.environ["MOELAB_NB_THREADS"] = "1"
+            note = ("parallel regions on all threads stalled at the start of this run (another process held a "
+                    "core), so every notebook measured on 1 thread")
+            print(note, flush=True)
     runs = []
     for path in notebooks(a.only.split(",") if a.only else None):
         print(f"[{time.strftime('%H:%M:%S')}] {path.stem} ({a.mode}) ...", flush=True)
         r = execute(path, a.mode, out, a.timeout)
         print(f"    {r['status']} in {r['seconds']:.0f} s" + (f": {r['error']}" if r["error"] else ""), flush=True)
         runs.append(r)
-    rep = report(out, a.mode, runs)
+    rep = report(out, a.mode, runs, note)
     print(f"wrote {rep}")
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 
