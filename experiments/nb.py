@@ -230,6 +230,16 @@ def save_figure(fig, name: str) -> Path:
     return path
 
 
+def log_ticks(ax, values, axis: str = "x") -> None:
+    """A log axis labelled with the measured values as plain numbers (1, 2, 4, ... not 10^0)."""
+    import matplotlib.ticker as mt
+    getattr(ax, f"set_{axis}scale")("log")
+    a = getattr(ax, f"{axis}axis")
+    a.set_major_locator(mt.FixedLocator(sorted(set(values))))
+    a.set_major_formatter(mt.FixedFormatter([f"{v:g}" for v in sorted(set(values))]))
+    a.set_minor_locator(mt.NullLocator())
+
+
 def geomean(values) -> float:
     v = [float(a) for a in values]
     return math.exp(sum(math.log(a) for a in v) / len(v)) if v else float("nan")

@@ -121,6 +121,7 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
         "",
     ]
     counts: dict[str, int] = {}
+    seen: dict[str, str] = {}
     lines += ["## Claims", "", "| claim | reported (source) | claimed | measured here | verdict | why |",
               "|---|---|---|---|---|---|"]
     for c in claims:
@@ -134,11 +135,19 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
         counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
+        seen[c["id"]] = r["verdict"]
         gpu = f" GPU: {r['gpu']}" if r.get("gpu") else ""
         lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(r['claimed_ratio'])} | "
                      f"{_cell(r['measured'])}{_cell(gpu)} | **{r['verdict']}** | {_cell(r['why'])} |")
     lines += ["", "Summary: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
               + f" (of {len(claims)} claims).", ""]
+    lines += ["Which claims held, per seed (counts of verdicts):", "",
+              "| seed | reproduced | partly | not | not measurable | not measured |", "|---|---|---|---|---|---|"]
+    for seed in sorted({c["seed"] for c in claims}):
+        vs = [seen[c["id"]] for c in claims if c["seed"] == seed]
+        lines.append(f"| {seed} | " + " | ".join(str(vs.count(v)) for v in
+                                                 ("reproduced", "partly", "not", "not measurable", "not measured")) + " |")
+    lines.append("")
     extra = [r for nbname, rows in verdicts.items() if nbname != "005_moe_layer"   # 005: its own table below
              for r in rows if r["claim_id"] not in {c["id"] for c in claims}]
     layer = _read_rows(res, "")

@@ -84,10 +84,12 @@ k16 = df[df["K"] == (16 if 16 in KS else max(KS))]
 long = k16.melt(id_vars=["E", "T"], value_vars=["eager_us", "ours_us"], var_name="impl", value_name="us")
 long["impl"] = long["impl"].map({"eager_us": "eager torch.topk chain", "ours_us": "optimized.route"})
 long["T"] = "T=" + long["T"].astype(str)
-fig, ax = plt.subplots(figsize=(7, 4.5))
+fig, ax = plt.subplots(figsize=(8.5, 4.5))
 sns.lineplot(long, x="E", y="us", hue="T", style="impl", marker="o", ax=ax)
-ax.set(xscale="log", yscale="log", xlabel="experts E (log)", ylabel="time per call (µs, log)",
+ax.set(yscale="log", xlabel="experts E (log)", ylabel="time per call (µs, log)",
        title=f"route, sigmoid_bias, K = {k16['K'].iloc[0]}, bf16 logits")
+nb.log_ticks(ax, ES)
+ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
 ax.axvline(896, color="red", ls=":", lw=1)
 nb.save_figure(fig, "004_routing_k16")
 plt.show()
