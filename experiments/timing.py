@@ -19,7 +19,6 @@ import os
 import platform
 import statistics
 import subprocess
-import time
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
@@ -81,17 +80,6 @@ def compare(candidates: dict[str, Callable[[], object]], *, rounds: int = 5,
         for name, fn in candidates.items():
             out[name].times.append(once(fn, min_time))
     return out
-
-
-def time_calls(fn: Callable[[], object], n: int = 1) -> Timing:
-    """n single timed calls (wall clock, no warm-up): for calls that take seconds, such as
-    the float64 reference, where a warm-up and an autorange would multiply the cost."""
-    t = Timing(getattr(fn, "__name__", "fn"))
-    for _ in range(n):
-        t0 = time.perf_counter()
-        fn()
-        t.times.append(time.perf_counter() - t0)
-    return t
 
 
 def ratio(base: Timing, other: Timing) -> tuple[float, float, float]:
