@@ -4,8 +4,10 @@
 #                          a bare `torch` would pull a multi-GB CUDA build)
 #   TORCH=keep            reuse the torch of the Python that creates the venv (GPU users)
 #
-# `make experiments` runs every notebook in experiments/ headless (quick grids, ~20 min on
-# 2 cores; FULL=1 for the full grids) and writes experiments/REPORT.md, figures/, results/.
+# `make experiments` runs every notebook in experiments/ headless and writes
+# experiments/REPORT.md, figures/, results/ (quick grids: ~6 min measured on this 2-core machine
+# with 1 thread, budget 20 min; FULL=1 for the full grids: ~17 min). MOELAB_NB_THREADS=N sets
+# the torch threads (default: all cores, or 1 when a shared machine stalls parallel regions).
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
