@@ -119,6 +119,7 @@ FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 8}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
 _tuned: dict | None = None
+_tuned_from = ""
 
 
 def _machine_slug() -> str:
@@ -157,8 +158,13 @@ def fused_experts_m_cross(quant: str) -> tuple[int, str]:
     """(m_cross, where it came from) of policy `auto` for a weight format."""
     global _tuned
     if _tuned is None:
+        import torch
+        if torch.compiler.is_compiling():   # no file reads while tracing (the file is read at import)
+            return FUSED_EXPERTS_DEFAULT_M_CROSS[quant], "default (tune file not read while compiling)"
         import json
+        global _tuned_from
         _tuned = {}
+        _tuned_from = tune_file().name
         try:
             data = json.loads(tune_file().read_text())
             for q, v in data.get("fused_experts", {}).get("m_cross", {}).items():
@@ -167,7 +173,7 @@ def fused_experts_m_cross(quant: str) -> tuple[int, str]:
         except (OSError, ValueError, AttributeError):
             _tuned = {}
     if quant in _tuned:
-        return _tuned[quant], f"tuned ({tune_file().name})"
+        return _tuned[quant], f"tuned ({_tuned_from})"
     return FUSED_EXPERTS_DEFAULT_M_CROSS[quant], "default (no tune file)"
 
 
