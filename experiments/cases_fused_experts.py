@@ -232,11 +232,42 @@ def _expert_bytes(name: str) -> int:
 
 
 # ------------------------------------------------------------------------ the grid
+def compare_cpu_time(candidates: dict, *, rounds: int = 5, min_time: float = 0.05) -> dict:
+    """Like timing.compare, but each call runs on ONE thread and is timed by the calling
+    thread's CPU clock (time.thread_time). On a machine shared with other jobs, 2-thread wall
+    times are dominated by scheduling (a parallel region waits whenever one of its threads is
+    descheduled: the same call takes 1 ms or 20 ms); CPU time counts only the cycles the
+    kernel ran, memory stalls included, so it compares kernels fairly. Interleaved rounds,
+    one Timing (seconds per call) per candidate."""
+    import time
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out = {name: timing.Timing(name) for name in candidates}
+        for fn in candidates.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in candidates.items():
+                n, t0 = 0, time.thread_time()
+                while True:
+                    fn()
+                    n += 1
+                    el = time.thread_time() - t0
+                    if el >= min_time and n >= 2:
+                        break
+                out[name].times.append(el / n)
+        return out
+    finally:
+        torch.set_num_threads(old)
+
+
 def dispatch_grid(shapes=("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"), batch_sizes=GRID_T,
                   dists=GRID_DISTS, policies=POLICIES, rounds: int = 3, min_time: float = 0.02,
-                  progress=None) -> list[dict]:
+                  clock: str = "wall", progress=None) -> list[dict]:
     """Per (shape, T, dist): each policy's median time (interleaved rounds, cold weights),
-    per_block / global speedup and auto against the best fixed policy. Returns rows."""
+    per_block / global speedup (median of per-round ratios) and auto against the best fixed
+    policy (tiny, blocked, global, per_block). clock: "wall" (timing.compare, the op's own
+    threads) or "cpu" (compare_cpu_time: one thread, CPU time). Returns rows."""
     rows = []
     for name in shapes:
         d = shape_data(name, eager=False)
@@ -245,9 +276,10 @@ def dispatch_grid(shapes=("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b"), batch_
             for T in batch_sizes:
                 tw, ids = routing(dist, T, s["E"], s["K"], seed=T)
                 x = _x(T, s["H"])
-                t = timing.compare({p: (lambda p=p: d.ours(x, tw, ids, p)) for p in policies},
-                                   rounds=rounds, min_time=min_time)
-                row = {"shape": name, "quant": s["quant"], "T": T, "dist": dist,
+                fns = {p: (lambda p=p: d.ours(x, tw, ids, p)) for p in policies}
+                t = compare_cpu_time(fns, rounds=rounds, min_time=min_time) if clock == "cpu" else \
+                    timing.compare(fns, rounds=rounds, min_time=min_time)
+                row = {"shape": name, "quant": s["quant"], "T": T, "dist": dist, "clock": clock,
                        "avg_m": max(1, T * s["K"] // s["E"])}
                 for p in policies:
                     row[f"{p}_us"] = t[p].median * 1e6
@@ -333,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--grid", action="store_true", help="also run the 27-point dispatch grid (x2 routings)")
     p.add_argument("--no-targets", action="store_true")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="grid timing: wall clock on --threads, or CPU time on one thread (shared machines)")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=None, help="folder for fused_experts_targets.csv / _grid.csv")
@@ -362,7 +396,8 @@ def main(argv=None) -> int:
                   f"  per_block/global={r['per_block_vs_global']:.2f} auto/best({r['best_fixed']})="
                   f"{r['auto_vs_best']:.2f}", flush=True)
 
-        grid = dispatch_grid(batch_sizes=GRID_T[::2] if a.quick else GRID_T, rounds=3, progress=show)
+        grid = dispatch_grid(batch_sizes=GRID_T[::2] if a.quick else GRID_T, rounds=3, clock=a.clock,
+                             progress=show)
         for dist in GRID_DISTS:
             sub = [r for r in grid if r["dist"] == dist]
             print(f"{dist}: per_block vs global geomean {geomean(r['per_block_vs_global'] for r in sub):.3f} "
