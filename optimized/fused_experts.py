@@ -29,8 +29,6 @@ from . import dispatch as _dispatch
 
 __all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
 
-_dispatch.fused_experts_m_cross("bf16")   # read this machine's tune file now, not while tracing
-
 
 class PackedMoEWeights:
     """Expert weights repacked once into the CPU kernels' blocked VNNI layout (opaque).
