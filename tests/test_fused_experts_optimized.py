@@ -596,7 +596,8 @@ def test_explain_counts(tmp_path, monkeypatch):
     assert d.counts == {"tiny": 3, "blocked": 0} and "avg_m" in d.reason
     assert "default" in ex("auto").reason
     pw = optimized.prepack_moe_weights(w13, w2, "bf16")
-    assert dispatch.explain("fused_experts", x, pw, None, tw, ids, quant="bf16").counts["blocked"] == 1
+    assert dispatch.explain("fused_experts", x, pw, None, tw, ids, quant="bf16", dispatch="per_block").counts["blocked"] == 1
+    assert ex("auto").m_cross == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["bf16"]
     # a tune file changes auto's crossover
     dispatch.tune_file().parent.mkdir(parents=True, exist_ok=True)
     dispatch.tune_file().write_text(json.dumps({"fused_experts": {"m_cross": {"bf16": 2}}}))

@@ -7,9 +7,11 @@
 //   tiny:    per chunk of <= 4 rows, decode the tile's 4 weight vectors (16 columns x 2 k
 //            each) in registers for every k pair and feed them to the rows (16 f32
 //            accumulators); a larger block decodes the tile again per chunk.
-//   blocked: decode the tile once into a per-thread bf16 VNNI buffer (tagged with
-//            (weights, expert, first group, groups) and checked before reuse), then a
-//            6-row x 4-vector register block (24 accumulators) streams it for every 6 rows.
+//   blocked: decode the tile once into a per-thread bf16 buffer [K/2][4][32] (tagged with
+//            (weights, expert, first group, groups, decoder) and checked before reuse), then
+//            a register block of up to 6 rows x 4 vectors (24 accumulators) streams it for
+//            every chunk of rows. bf16 weights need no decoding: both kernels read the
+//            packed tile directly.
 // Both decode through the same functions (so the same bf16 weight bits) and run the same dp
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
@@ -279,9 +281,10 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
   }
 }
 
-// The blocked micro-kernel: R rows x NG vectors over the dequantized buffer ([K2][NG][32]).
-// The same dp sequence per output element as run_rows (kk ascending), written with one
-// weight pointer and R row pointers so they stay in registers.
+// The blocked micro-kernel: R rows x NG vectors over bf16 weight vectors at
+// b + kk * kstride + g * gstride. The same dp sequence per output element as run_rows (kk
+// ascending), written so the pointers stay in registers (4 loads, R broadcasts, R * NG
+// vdpbf16ps per k pair).
 template <int R, int NG>
 inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
                       int64_t K2, const Out& o, int64_t p, Prefetch* pf) {
