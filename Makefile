@@ -3,19 +3,22 @@
 #   TORCH=torch==2.13.0   what `make setup` installs into .venv (the CPU build by default;
 #                          a bare `torch` would pull a multi-GB CUDA build)
 #   TORCH=keep            reuse the torch of the Python that creates the venv (GPU users)
+#
+# `make experiments` runs every notebook in experiments/ headless (quick grids, ~20 min on
+# 2 cores; FULL=1 for the full grids) and writes experiments/REPORT.md, figures/, results/.
 PY      ?= python3
 VENV    := .venv
 VPY     := $(VENV)/bin/python
 TORCH   ?= torch==2.13.0
 BUDGET  ?= 600
 
-.PHONY: setup build test verify bench compile-check clean
+.PHONY: setup build test verify bench experiments compile-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 	$(if $(filter keep,$(TORCH)),,$(VPY) -m pip install -q "$(TORCH)")
-	$(VPY) -m pip install -q -e . >$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
+	$(VPY) -m pip install -q -e ".[notebooks]" >$(VENV)/install.log 2>&1 || { cat $(VENV)/install.log; exit 1; }
 	touch $@
 
 setup: $(VENV)/.installed build
@@ -32,6 +35,11 @@ verify: setup
 
 bench: setup
 	$(VPY) -m experiments.bench
+
+# The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
+# (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.
+experiments: setup
+	$(VPY) -m experiments.run_notebooks $(if $(filter-out 0,$(FULL)),--mode full,)
 
 # Every GPU source through nvcc (sm_80, sm_90a) and hipcc (gfx90a, gfx940), device code only,
 # in parallel; ptxas/AMDGPU register and spill reports in build/compile-check/. No GPU needed,

@@ -4,13 +4,22 @@ These machines are shared and noisy, so speeds are compared as ratios measured s
 side in one run: `compare` runs the candidates interleaved, round after round, and reports
 per candidate the median time with its spread (IQR) and, against the first candidate (the
 baseline), the median of the per-round ratios. Each round times every candidate with
-torch.utils.benchmark (which warms up first) for at least `min_time` seconds.
+torch.utils.benchmark (which warms up first) for at least `min_time` seconds; with
+`cuda=True` it times with CUDA events around back-to-back calls instead (the host returns
+before the GPU finishes, so wall-clock timers would measure the launch only).
+
+Every result is stamped with where it was measured (`machine()`: CPU model, ISA level in use,
+threads, torch, load average; GPU, CUDA and driver when a GPU is there) and `write_csv` puts
+rows under experiments/results/<machine_id()>/ with that stamp in every row.
 """
 from __future__ import annotations
 
+import csv
 import os
 import platform
 import statistics
+import subprocess
+from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -40,15 +49,36 @@ def _time_once(fn: Callable[[], object], min_time: float) -> float:
     return m.blocked_autorange(min_run_time=min_time).median
 
 
+def _time_once_cuda(fn: Callable[[], object], min_time: float) -> float:
+    """Seconds per call on the current CUDA stream: CUDA events around n back-to-back calls,
+    n doubled until the n calls take at least min_time."""
+    n = 1
+    while True:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(n):
+            fn()
+        b.record()
+        b.synchronize()
+        t = a.elapsed_time(b) / 1e3
+        if t >= min_time or n >= 1 << 16:
+            return t / n
+        n *= 2
+
+
 def compare(candidates: dict[str, Callable[[], object]], *, rounds: int = 5,
-            min_time: float = 0.05) -> dict[str, Timing]:
-    """Interleaved timing of several callables doing the same work; the first is the baseline."""
+            min_time: float = 0.05, cuda: bool = False) -> dict[str, Timing]:
+    """Interleaved timing of several callables doing the same work; the first is the baseline.
+    cuda=True: the callables launch GPU work; time it with CUDA events."""
     out = {name: Timing(name) for name in candidates}
     for fn in candidates.values():   # warm caches, JIT, allocator
         fn()
+    if cuda:
+        torch.cuda.synchronize()
+    once = _time_once_cuda if cuda else _time_once
     for _ in range(rounds):
         for name, fn in candidates.items():
-            out[name].times.append(_time_once(fn, min_time))
+            out[name].times.append(once(fn, min_time))
     return out
 
 
@@ -72,7 +102,9 @@ def read_bandwidth(nbytes: int = 256 << 20) -> float:
 
 
 def machine() -> dict[str, str]:
-    """Where a result was measured: CPU model, ISA used, threads, torch version."""
+    """Where a result was measured: CPU model, ISA used, threads, torch version, the 1-minute
+    load average now (above `cores` the machine was shared while measuring), and the GPU,
+    its CUDA/HIP version and driver when torch sees one."""
     model = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -89,16 +121,52 @@ def machine() -> dict[str, str]:
         info["isa"] = optimized.backend_info().get("active", "?")
     except Exception as exc:  # the extension may be unavailable; say so
         info["isa"] = f"unavailable ({type(exc).__name__})"
+    try:
+        info["load"] = f"{os.getloadavg()[0]:.1f}"
+    except OSError:
+        info["load"] = "?"
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        info["cuda"] = torch.version.cuda or f"hip {getattr(torch.version, 'hip', '')}"
+        try:
+            info["driver"] = subprocess.run(
+                ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                capture_output=True, text=True, timeout=10).stdout.split("\n")[0].strip() or "?"
+        except (OSError, subprocess.SubprocessError):
+            info["driver"] = "?"
     return info
 
 
 def machine_id() -> str:
-    """A short folder-friendly name of this machine, for results/<machine>/."""
+    """A short folder-friendly name of this machine (CPU model and core count), for
+    results/<machine>/; the threads a result used are in its stamp."""
     m = machine()
     cpu = "".join(c if c.isalnum() else "-" for c in m["cpu"]).strip("-").lower()
     while "--" in cpu:
         cpu = cpu.replace("--", "-")
-    return f"{cpu[:40]}-{m['threads']}t"
+    return f"{cpu[:40]}-{m['cores']}c"
+
+
+def results_dir(root: str | os.PathLike | None = None) -> Path:
+    """<root>/<machine_id()>: root is $MOELAB_RESULTS_DIR, else experiments/results."""
+    root = root or os.environ.get("MOELAB_RESULTS_DIR") or Path(__file__).resolve().parent / "results"
+    return Path(root) / machine_id()
+
+
+def write_csv(name: str, rows: list[dict], root: str | os.PathLike | None = None,
+              **extra: str) -> Path:
+    """Write rows to results_dir(root)/<name>.csv, each row stamped with machine_id, the
+    machine() fields and `extra` (e.g. mode=...). Returns the path."""
+    stamp = {"machine_id": machine_id(), **machine(), **extra}
+    path = results_dir(root) / f"{name}.csv"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rows = [{**r, **stamp} for r in rows]
+    names = list(dict.fromkeys(k for r in rows for k in r)) or list(stamp)
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=names, restval="")
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 class Rotating:

@@ -1,0 +1,293 @@
+"""What the experiment notebooks share: mode, claims, figures, results, verdicts, GPU results.
+
+The notebooks (sources in experiments/notebooks/*.py, built into experiments/0*.ipynb by
+`python -m experiments.build_notebooks`; run by `python -m experiments.run_notebooks`) each
+reproduce one seed's claims on this machine. They read from the environment:
+
+    MOELAB_NB_MODE     tiny | quick | full  (default quick; FULL=1 also selects full)
+                       tiny: seconds, smallest shapes, 1 round (the test; numbers meaningless)
+    MOELAB_NB_OUT      folder for figures/, results/ (default: experiments/)
+    MOELAB_NB_THREADS  torch threads (default: torch's default, the physical cores; 1 in tiny)
+
+Verdict rule (`judge`), the same for every claim that is a speed ratio (> 1 = better):
+  * a claimed gain (the claimed ratio, or the low end of a claimed range, above 1.035):
+    reproduced  if the measured ratio reaches at least half the claimed gain
+                (measured >= 1 + (claimed - 1) / 2),
+    partly      if it is a gain (> 1.02) but smaller than that,
+    not         otherwise (no gain, or a loss);
+  * a claimed range that starts at or below 1 ("0-28 %"): reproduced if not slower
+    (measured >= 0.98), else not;
+  * a claim of no effect (the whole range within 1 +- 0.035): reproduced if within +-5 %,
+    partly within +-10 %, not otherwise.
+A measured gain far above the claimed one still counts as reproduced; the why column says
+what differs (other hardware, other baseline).
+"""
+from __future__ import annotations
+
+import csv
+import math
+import os
+import statistics
+import time
+import tomllib
+from pathlib import Path
+
+import torch
+
+from . import timing
+
+ROOT = Path(__file__).resolve().parent.parent
+MODES = ("tiny", "quick", "full")
+VERDICT_FIELDS = ("claim_id", "seed", "claimed", "claimed_ratio", "measured", "measured_ratio",
+                  "verdict", "why", "gpu")
+
+
+def mode() -> str:
+    m = os.environ.get("MOELAB_NB_MODE") or ("full" if os.environ.get("FULL") not in (None, "", "0") else "quick")
+    if m not in MODES:
+        raise ValueError(f"MOELAB_NB_MODE must be one of {', '.join(MODES)}; got {m!r}")
+    return m
+
+
+def pick(tiny, quick, full):
+    """The value for the current mode."""
+    return {"tiny": tiny, "quick": quick, "full": full}[mode()]
+
+
+def out_root() -> Path:
+    return Path(os.environ.get("MOELAB_NB_OUT") or ROOT / "experiments")
+
+
+def figures_dir() -> Path:
+    return out_root() / "figures"
+
+
+def results_root() -> Path:
+    return out_root() / "results"
+
+
+# ----------------------------------------------------------------------------- setup
+def setup(notebook: str) -> dict:
+    """Threads, plotting style, and a printed stamp of where and how this run measures."""
+    import seaborn as sns
+    threads = os.environ.get("MOELAB_NB_THREADS") or ("1" if mode() == "tiny" else None)
+    note = ""
+    if threads:   # tiny mode: one thread (fast and steady; its numbers are not used)
+        torch.set_num_threads(int(threads))
+    elif parallel_stalls():
+        note = (f" [parallel regions on {torch.get_num_threads()} threads stall here (another process holds a "
+                f"core, so every region waits a scheduler slice): measuring on 1 thread; set MOELAB_NB_THREADS "
+                f"to force a count]")
+        torch.set_num_threads(1)
+    sns.set_theme(style="whitegrid", context="notebook")
+    m = timing.machine()
+    bw = read_bandwidth()
+    stamp = {"notebook": notebook, "mode": mode(), "machine_id": timing.machine_id(), **m,
+             "read_GBps": round(bw / 1e9, 1)}
+    print(f"{notebook}: mode {mode()}; {m['cpu']}, {m['cores']} cores, ISA {m['isa']}, "
+          f"{m['threads']} threads, torch {m['torch']}; read bandwidth {bw / 1e9:.1f} GB/s; "
+          f"load average {m['load']}" + (" (the machine is shared: numbers measured under load)"
+                                         if under_load() else "") + note)
+    stamp["threads_note"] = note.strip(" []")
+    return stamp
+
+
+def read_bandwidth() -> float:
+    if mode() == "tiny":   # not used for verdicts in tiny mode; keep it fast
+        x = torch.ones(8 << 20)
+        t = timing.compare({"sum": lambda: x.sum()}, rounds=1, min_time=0.01)["sum"].median
+        return x.numel() * 4 / t
+    return timing.read_bandwidth()
+
+
+def parallel_stalls() -> bool:
+    """True if a short parallel op on all threads is > 3x slower than on one thread (median of
+    25 calls, any of 3 tries): on a shared machine where another process holds a core, every
+    parallel region waits for a descheduled thread (4-8 ms here), which makes multi-thread
+    timings meaningless."""
+    n = torch.get_num_threads()
+    if n < 2:
+        return False
+    x = torch.ones(1 << 20)
+
+    def med(threads):
+        torch.set_num_threads(threads)
+        x.mul_(1.0)
+        ts = []
+        for _ in range(25):
+            t = time.perf_counter()
+            x.mul_(1.0)
+            ts.append(time.perf_counter() - t)
+        return statistics.median(ts)
+
+    try:
+        return any(med(n) > 3 * med(1) for _ in range(3))
+    finally:
+        torch.set_num_threads(n)
+
+
+def under_load() -> bool:
+    try:
+        return os.getloadavg()[0] > 1.25 * (os.cpu_count() or 1)
+    except OSError:
+        return False
+
+
+# ---------------------------------------------------------------------------- claims
+def all_claims() -> list[dict]:
+    with open(ROOT / "papers" / "claims.toml", "rb") as f:
+        return tomllib.load(f)["claim"]
+
+
+def claims(notebook: str) -> list[dict]:
+    """The claims this notebook measures (reproduce) or relates to (see: not measurable)."""
+    path = f"experiments/{notebook}.ipynb"
+    return [c for c in all_claims() if path in (c.get("reproduce"), c.get("see"))]
+
+
+def claim(cid: str) -> dict:
+    for c in all_claims():
+        if c["id"] == cid:
+            return c
+    raise KeyError(cid)
+
+
+def claims_frame(notebook: str):
+    import pandas as pd
+    rows = []
+    for c in claims(notebook):
+        rows.append({"id": c["id"], "reported": c["reported"], "claimed ratio": claimed_ratio_text(c),
+                     "hardware": c["hardware"],
+                     "here": c.get("counterpart") or f"not measurable: {c.get('not_measurable')}"})
+    return pd.DataFrame(rows)
+
+
+def claimed_range(c: dict) -> tuple[float, float] | None:
+    if "ratio_range" in c:
+        return tuple(c["ratio_range"])
+    if "ratio" in c:
+        return c["ratio"], c["ratio"]
+    return None
+
+
+def claimed_ratio_text(c: dict) -> str:
+    r = claimed_range(c)
+    if r is None:
+        return f"value {c.get('value')}"
+    return f"{r[0]:.3g}x" if r[0] == r[1] else f"{r[0]:.3g}..{r[1]:.3g}x"
+
+
+# --------------------------------------------------------------------------- verdicts
+def judge(measured: float, lo: float, hi: float | None = None) -> str:
+    """reproduced / partly / not for a measured speed ratio against a claimed one (module doc)."""
+    hi = lo if hi is None else hi
+    if not (measured == measured):   # NaN
+        return "not measured"
+    if lo >= 0.965 and hi <= 1.035:
+        d = abs(measured - 1)
+        return "reproduced" if d <= 0.05 else "partly" if d <= 0.10 else "not"
+    if lo <= 1.0 + 1e-9:
+        return "reproduced" if measured >= 0.98 else "not"
+    if measured >= 1 + (lo - 1) / 2:
+        return "reproduced"
+    return "partly" if measured > 1.02 else "not"
+
+
+def verdict_row(cid: str, measured: str, measured_ratio: float | None, verdict: str, why: str,
+                gpu: str = "") -> dict:
+    c = claim(cid)
+    return {"claim_id": cid, "seed": c["seed"], "claimed": c["reported"],
+            "claimed_ratio": claimed_ratio_text(c), "measured": measured,
+            "measured_ratio": "" if measured_ratio is None else round(float(measured_ratio), 4),
+            "verdict": verdict, "why": why, "gpu": gpu}
+
+
+def not_measurable_row(cid: str, related: str = "") -> dict:
+    c = claim(cid)
+    return verdict_row(cid, related or "-", None, "not measurable", c["not_measurable"])
+
+
+def write_verdicts(notebook: str, rows: list[dict]):
+    """results/<machine>/<notebook>_verdicts.csv (collected by the runner into REPORT.md);
+    returns the table for display. Every claim of this notebook must have a row."""
+    import pandas as pd
+    missing = {c["id"] for c in claims(notebook)} - {r["claim_id"] for r in rows}
+    assert not missing, f"no verdict row for {sorted(missing)}"
+    timing.write_csv(f"{notebook}_verdicts", [{k: r.get(k, "") for k in VERDICT_FIELDS} for r in rows],
+                     root=results_root(), mode=mode())
+    return pd.DataFrame(rows)[["claim_id", "claimed_ratio", "measured", "verdict", "why"]]
+
+
+def write_results(name: str, frame) -> Path:
+    """One measurement table as results/<machine>/<name>.csv, machine-stamped."""
+    return timing.write_csv(name, frame.to_dict("records"), root=results_root(), mode=mode())
+
+
+def save_figure(fig, name: str) -> Path:
+    path = figures_dir() / f"{name}.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    return path
+
+
+def log_ticks(ax, values, axis: str = "x") -> None:
+    """A log axis labelled with the measured values as plain numbers (1, 2, 4, ... not 10^0)."""
+    import matplotlib.ticker as mt
+    getattr(ax, f"set_{axis}scale")("log")
+    a = getattr(ax, f"{axis}axis")
+    a.set_major_locator(mt.FixedLocator(sorted(set(values))))
+    a.set_major_formatter(mt.FixedFormatter([f"{v:g}" for v in sorted(set(values))]))
+    a.set_minor_locator(mt.NullLocator())
+
+
+def geomean(values) -> float:
+    v = [float(a) for a in values]
+    return math.exp(sum(math.log(a) for a in v) / len(v)) if v else float("nan")
+
+
+def spread_text(med: float, lo: float, hi: float) -> str:
+    return f"{med:.3g}x ({lo:.3g}..{hi:.3g})"
+
+
+# ------------------------------------------------------------------------ GPU results
+def gpu_results(op: str | None = None):
+    """Rows of every results/*/gpu_bench.csv (scripts/gpu_check.sh with OUT=experiments/
+    results/<name>), with the folder as `machine` and the GPU name from gpu_env.csv.
+    Empty frame (and a printed note) when there are none."""
+    import pandas as pd
+    frames = []
+    for path in sorted(results_root().glob("*/gpu_bench.csv")):
+        df = pd.read_csv(path)
+        df["machine"] = path.parent.name
+        env = path.parent / "gpu_env.csv"
+        gpu = "?"
+        if env.exists():
+            with open(env) as f:
+                gpu = dict(r for r in csv.reader(f) if len(r) == 2).get("gpu", "?")
+        df["gpu"] = gpu
+        frames.append(df)
+    df = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame(
+        columns=["op", "case", "impl", "median_us", "p10_us", "p90_us", "floor_us", "note", "machine", "gpu"])
+    if op is not None:
+        df = df[df["op"] == op]
+    if df.empty:
+        print(f"No GPU results for {op or 'any op'}: no {results_root().name}/*/gpu_bench.csv "
+              f"(none has been measured yet; on a GPU machine run "
+              f"`OUT=experiments/results/<name> bash scripts/gpu_check.sh`). CPU results only.")
+    return df
+
+
+def gpu_speedups(op: str, ours: str, before: str):
+    """Per GPU machine and case: median us of the impl starting with `ours` and of the one
+    starting with `before`, and before/ours."""
+    import pandas as pd
+    df = gpu_results(op)
+    rows = []
+    for (machine, gpu, case), g in df.groupby(["machine", "gpu", "case"], sort=False):
+        a = g[g["impl"].str.startswith(ours)]
+        b = g[g["impl"].str.startswith(before)]
+        if len(a) and len(b):
+            o, p = float(a["median_us"].iloc[0]), float(b["median_us"].iloc[0])
+            rows.append({"machine": machine, "gpu": gpu, "case": case, "ours_us": o, "before_us": p,
+                         "speedup": p / o})
+    return pd.DataFrame(rows, columns=["machine", "gpu", "case", "ours_us", "before_us", "speedup"])
