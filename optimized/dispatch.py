@@ -329,13 +329,17 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 #              tinygemm/brgemm pair: the per-block choice reduces to m.
 #   auto:      per_block with m_cross (blocked iff m >= m_cross) calibrated on this machine by
 #              `python -m optimized.tune` (stored outside the repository, see tune_file()).
-#              Without a tune file: FUSED_EXPERTS_DEFAULT_M_CROSS, measured on the
-#              development machine (AMD EPYC Zen 5, 2 threads, one block with the weights in
-#              L3): fp8 and bf16 blocks turn to blocked at m = 5 (tiny decodes the tile again
-#              for the 5th row); mxfp4 decodes so cheaply (9 instructions per 64 weights)
-#              that tiny stays even up to m ~ 8.
+#              Without a tune file: FUSED_EXPERTS_DEFAULT_M_CROSS, what `optimized.tune
+#              --clock cpu` measured on the development machine (AMD EPYC Zen 5, cold
+#              weights; tiny/blocked ms at m = 1, 4, 5, 8, 16):
+#                fp8   0.25/0.26 0.29/0.28 0.42/0.30 0.47/0.36 0.89/0.50  -> 4-5 (tiny decodes
+#                      the tile again for every 4 rows; equal below: memory-bound)
+#                mxfp4 0.58/1.22 0.71/1.08 1.06/1.12 1.33/1.47 2.49/2.21  -> 10 (9 instructions
+#                      per 64 weights: re-decoding is cheaper than the buffer round trip)
+#                bf16  0.51/0.43 0.52/0.45 0.54/0.48 0.57/0.52 0.76/0.71  -> 1 (blocked reads
+#                      the packed weights directly; its 6-row kernel wins at every m)
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
-FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 5, "fp8_block": 5, "mxfp4": 8}
+FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 1, "fp8_block": 5, "mxfp4": 10}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
 _tuned: dict = {}
 _tuned_src = "default (no tune file)"

@@ -215,16 +215,28 @@ def check_close(out, ref, allowed, what=""):
 
 def check_rarely_differs(out, ref, what=""):
     """Probabilistic companion of the worst-case bound, for a kernel that multiplies exactly the
-    reference's weights (bf16, mxfp4, or fp8 against the bf16(W) reference): out and ref differ
-    only where an f32 rounding error moved an intermediate across a bf16 rounding boundary.
-    The f32 errors are ~sqrt(n) u |x||w| (random-walk), so such flips are rare (measured: ~0.1%
-    of outputs, at most 2 of 64 in a column). Allowed: 2% of all outputs + 4, and 3 + 10% of
-    any column (a column with a 2^-10 relative error differs in ~15-25% of its rows)."""
+    reference's weights (bf16, mxfp4, or fp8 against the bf16(W) reference).
+
+    out and ref differ only where an f32 rounding moved a value across a bf16 rounding
+    boundary. At the output that is rare (the f32 error is ~sqrt(n) u |x||w|, measured ~0.1%
+    of outputs, at most 2 of 64 in a column). An intermediate (h or a) of a token can flip
+    too, when its exact value lies within the f32 error of a rounding midpoint (found by
+    hypothesis: h = -0.78710934, midpoint -0.787109375); that shifts every output of the
+    token by ~1/4 ulp, so a large part of ONE ROW differs. Allowed: at most 2 + 10% of the
+    rows with over 10% of their outputs differing ("flip rows"); among the other rows, 2% of
+    outputs + 4 and in each column 3 + 10% of the rows. A column with a 2^-10 relative error
+    differs in ~15-25% of its rows and fails."""
     d = (out.view(torch.int16) != ref.view(torch.int16)) & ~(torch.isnan(out.float()) & torch.isnan(ref.float()))
-    T = d.shape[0]
-    assert int(d.sum()) <= 0.02 * d.numel() + 4, f"{what}: {int(d.sum())} of {d.numel()} outputs differ"
-    worst = int(d.sum(0).max()) if T else 0
-    assert worst <= 3 + 0.1 * T, f"{what}: a column differs in {worst} of {T} rows"
+    T, H = d.shape
+    if T == 0:
+        return
+    flip = d.float().mean(1) > 0.1
+    assert int(flip.sum()) <= 2 + 0.1 * T, f"{what}: {int(flip.sum())} of {T} rows differ in more than 10%"
+    rest = d[~flip]
+    n = rest.shape[0]
+    assert int(rest.sum()) <= 0.02 * rest.numel() + 4, f"{what}: {int(rest.sum())} of {rest.numel()} outputs differ"
+    worst = int(rest.sum(0).max()) if n else 0
+    assert worst <= 3 + 0.1 * n, f"{what}: a column differs in {worst} of {n} rows"
 
 
 def reference_check(x, w13, w2, tw, ids, kw, out):
@@ -584,7 +596,8 @@ def test_explain_counts(tmp_path, monkeypatch):
     assert d.counts == {"tiny": 3, "blocked": 0} and "avg_m" in d.reason
     assert "default" in ex("auto").reason
     pw = optimized.prepack_moe_weights(w13, w2, "bf16")
-    assert dispatch.explain("fused_experts", x, pw, None, tw, ids, quant="bf16").counts["blocked"] == 1
+    assert dispatch.explain("fused_experts", x, pw, None, tw, ids, quant="bf16", dispatch="per_block").counts["blocked"] == 1
+    assert ex("auto").m_cross == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["bf16"]
     # a tune file changes auto's crossover
     dispatch.tune_file().parent.mkdir(parents=True, exist_ok=True)
     dispatch.tune_file().write_text(json.dumps({"fused_experts": {"m_cross": {"bf16": 2}}}))

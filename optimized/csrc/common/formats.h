@@ -86,4 +86,5 @@ MOELAB_HD float e8m0_to_f32(uint8_t s) {
 namespace moelab {
 // Activation storage formats a kernel may read (the binding maps torch dtypes to these).
 enum class Fmt : int { kF32 = 0, kBF16 = 1, kF16 = 2 };
+constexpr int64_t fmt_size(Fmt f) { return f == Fmt::kF32 ? 4 : 2; }
 }  // namespace moelab

@@ -7,9 +7,11 @@
 //   tiny:    per chunk of <= 4 rows, decode the tile's 4 weight vectors (16 columns x 2 k
 //            each) in registers for every k pair and feed them to the rows (16 f32
 //            accumulators); a larger block decodes the tile again per chunk.
-//   blocked: decode the tile once into a per-thread bf16 VNNI buffer (tagged with
-//            (weights, expert, first group, groups) and checked before reuse), then a
-//            6-row x 4-vector register block (24 accumulators) streams it for every 6 rows.
+//   blocked: decode the tile once into a per-thread bf16 buffer [K/2][4][32] (tagged with
+//            (weights, expert, first group, groups, decoder) and checked before reuse), then
+//            a register block of up to 6 rows x 4 vectors (24 accumulators) streams it for
+//            every chunk of rows. bf16 weights need no decoding: both kernels read the
+//            packed tile directly.
 // Both decode through the same functions (so the same bf16 weight bits) and run the same dp
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
@@ -279,12 +281,13 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
   }
 }
 
-// The blocked micro-kernel: R rows x NG vectors over the dequantized buffer ([K2][NG][32]).
-// The same dp sequence per output element as run_rows (kk ascending), written with one
-// weight pointer and R row pointers so they stay in registers.
+// The blocked micro-kernel: R rows x NG vectors over bf16 weight vectors at
+// b + kk * kstride + g * gstride. The same dp sequence per output element as run_rows (kk
+// ascending), written so the pointers stay in registers (4 loads, R broadcasts, R * NG
+// vdpbf16ps per k pair).
 template <int R, int NG>
-inline void micro_buf(const uint16_t* b, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
-                      int64_t p, Prefetch* pf) {
+inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
+                      int64_t K2, const Out& o, int64_t p, Prefetch* pf) {
   Acc acc[R][NG];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
@@ -296,13 +299,13 @@ inline void micro_buf(const uint16_t* b, const uint16_t* a, int64_t lda, int64_t
   const char* pp = pf->p;
   const char* const pe = pf->end;
   const uint16_t* bk = b;
-  for (int64_t kk = 0; kk < K2; ++kk, a0 += 4, a3 += 4, bk += NG * 32) {
+  for (int64_t kk = 0; kk < K2; ++kk, a0 += 4, a3 += 4, bk += kstride) {
     if (pp < pe) {
       __builtin_prefetch(pp, 0, 2);
       pp += 64;
     }
     W32 w[NG];
-    for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * 32);
+    for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * gstride);
     for (int r = 0; r < R; ++r) {
       const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
       const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
@@ -315,21 +318,23 @@ inline void micro_buf(const uint16_t* b, const uint16_t* a, int64_t lda, int64_t
 
 // All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
 // (m = 32: 6, 6, 5, 5, 5, 5).
+// buf: vector (kk, g) at buf + kk * kstride + g * gstride (the dequantized buffer:
+// kstride = NG * 32, gstride = 32; bf16 packed weights: kstride = 32, gstride = K2 * 32).
 template <int NG>
-inline void blocked_rows(const uint16_t* buf, const uint16_t* a, int64_t lda, int64_t K2, const Out& o,
-                         int64_t p0, int64_t m, Prefetch* pf) {
+inline void blocked_rows(const uint16_t* buf, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
+                         int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf) {
   const int64_t n = fe::cdiv(m, kBlockedRows), base = m / n, extra = m % n;
   int64_t r0 = 0;
   for (int64_t c = 0; c < n; ++c) {
     const int64_t R = base + (c < extra ? 1 : 0);
     const uint16_t* ar = a + r0 * lda;
     switch (R) {
-      case 1: micro_buf<1, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
-      case 2: micro_buf<2, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
-      case 3: micro_buf<3, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
-      case 4: micro_buf<4, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
-      case 5: micro_buf<5, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
-      default: micro_buf<6, NG>(buf, ar, lda, K2, o, p0 + r0, pf); break;
+      case 1: micro_buf<1, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      case 2: micro_buf<2, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      case 3: micro_buf<3, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      case 4: micro_buf<4, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      case 5: micro_buf<5, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      default: micro_buf<6, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
     }
     r0 += R;
   }
@@ -369,9 +374,10 @@ void item_groups(const Item& it, int gbase) {
   const Out o{&g, it.e, (it.tile * fe::kTileGroups + gbase) * fe::kGroupN};
   const uint8_t* w = it.tw + gbase * gb;
 
-  const LoadDec bf16{reinterpret_cast<const uint16_t*>(w), K2 * 32};   // bf16: the packed tile
-  if (g.quant == fe::kBF16 && !it.blocked) {
-    all_rows<NG, kTinyRows>(bf16, a, g.lda, K2, o, it.p0, it.m, it.pf);
+  if (g.quant == fe::kBF16) {   // the packed tile is already bf16: both kernels read it directly
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
+    if (it.blocked) blocked_rows<NG>(wb, K2 * 32, 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    else all_rows<NG, kTinyRows>(LoadDec{wb, K2 * 32}, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
   const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
@@ -381,10 +387,7 @@ void item_groups(const Item& it, int gbase) {
     const int64_t g_first = it.tile * fe::kTileGroups + gbase;
     if (!it.tag->holds(g.w, it.e, g_first, NG, it.slow)) {
       it.tag->valid = false;
-      if (g.quant == fe::kBF16) {   // a copy into the buffer's layout
-        LoadDec d = bf16;
-        dequant<NG>(d, K2, it.buf, it.pf);
-      } else if (use_exact) {
+      if (use_exact) {
         ExactDec d = exact;
         dequant<NG>(d, K2, it.buf, it.pf);
       }
@@ -400,7 +403,7 @@ void item_groups(const Item& it, int gbase) {
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
-    blocked_rows<NG>(it.buf, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    blocked_rows<NG>(it.buf, 32, NG * 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
   if (use_exact) {

@@ -123,16 +123,6 @@ inline vf no_contract(vf a) {
   return a;
 }
 
-template <Fmt F> inline vf load_row(const void* p, int64_t i) {
-  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i);
-  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i);
-  else return vload_f16(static_cast<const uint16_t*>(p) + i);
-}
-template <Fmt F> inline vf load_row(const void* p, int64_t i, int n) {
-  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i, n);
-  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i, n);
-  else return vload_f16(static_cast<const uint16_t*>(p) + i, n);
-}
 
 // f32 -> f16 stores, round to nearest even (vec.h has bf16 only).
 inline void vstore_f16(uint16_t* p, vf a, int n) {
@@ -172,7 +162,7 @@ inline void token_chunk(const char* base, int64_t ld_bytes, const float* w, int6
     const vf wv = vset1(w[j * ldw_k]);
     const char* row = base + p * ld_bytes;
     for (int u = 0; u < NV; ++u) {
-      vf x = TAIL ? load_row<F>(row, h + u * kVecF, n) : load_row<F>(row, h + u * kVecF);
+      vf x = TAIL ? vload_as<F>(row, h + u * kVecF, n) : vload_as<F>(row, h + u * kVecF);
       acc[u] = vadd(acc[u], no_contract(vmul(wv, x)));
     }
   }

@@ -18,17 +18,6 @@
 namespace moelab::cpu::MOELAB_ISA_NS {
 namespace {
 
-template <Fmt F> inline vf load_x(const void* p, int64_t i) {
-  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i);
-  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i);
-  else return vload_f16(static_cast<const uint16_t*>(p) + i);
-}
-template <Fmt F> inline vf load_x(const void* p, int64_t i, int n) {
-  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i, n);
-  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i, n);
-  else return vload_f16(static_cast<const uint16_t*>(p) + i, n);
-}
-template <Fmt F> constexpr int64_t elem_size() { return F == Fmt::kF32 ? 4 : 2; }
 
 // NT tokens x up to 4 experts (ne of them valid) of the output.
 template <Fmt F, int NT>
@@ -42,7 +31,7 @@ inline void tile(const char* x, int64_t ldx_bytes, const float* w, int64_t H, in
     vf wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = j < ne ? vload(w + j * H + h) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = load_x<F>(x + t * ldx_bytes, h);
+      vf xv = vload_as<F>(x + t * ldx_bytes, h);
       for (int j = 0; j < 4; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }
@@ -51,7 +40,7 @@ inline void tile(const char* x, int64_t ldx_bytes, const float* w, int64_t H, in
     vf wv[4];
     for (int j = 0; j < 4; ++j) wv[j] = j < ne ? vload(w + j * H + h, n) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = load_x<F>(x + t * ldx_bytes, h, n);
+      vf xv = vload_as<F>(x + t * ldx_bytes, h, n);
       for (int j = 0; j < 4; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }
@@ -63,7 +52,7 @@ template <Fmt F>
 void run(const void* x, int64_t ldx, const float* w, float* out, int64_t T, int64_t H,
          int64_t E, int64_t e0, int64_t e1) {
   const char* xb = static_cast<const char*>(x);
-  const int64_t ldx_bytes = ldx * elem_size<F>();
+  const int64_t ldx_bytes = ldx * fmt_size(F);
   for (int64_t e = e0; e < e1; e += 4) {
     int ne = int(imin_(4, e1 - e));
     const float* we = w + e * H;

@@ -128,4 +128,16 @@ inline vf vmax(vf a, vf b) { return {fmax_(a.v, b.v)}; }
 inline float vsum(vf a) { return a.v; }
 #endif
 
+// Load kVecF (or the first n) elements of a row stored as F, widened to f32.
+template <Fmt F> inline vf vload_as(const void* p, int64_t i) {
+  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i);
+  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i);
+  else return vload_f16(static_cast<const uint16_t*>(p) + i);
+}
+template <Fmt F> inline vf vload_as(const void* p, int64_t i, int n) {
+  if constexpr (F == Fmt::kF32) return vload(static_cast<const float*>(p) + i, n);
+  else if constexpr (F == Fmt::kBF16) return vload_bf16(static_cast<const uint16_t*>(p) + i, n);
+  else return vload_f16(static_cast<const uint16_t*>(p) + i, n);
+}
+
 }  // namespace moelab::cpu::MOELAB_ISA_NS

@@ -9,6 +9,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include "../common/formats.h"
 #include "../cpu/isa.h"
 #include "../cpu/isa_dispatch.h"
 
@@ -22,6 +23,9 @@ void check_cpu(const at::Tensor& t, const char* op, const char* arg, int64_t ndi
                std::initializer_list<at::ScalarType> dtypes, bool contiguous = true);
 // Every value of an integer tensor in [lo, hi).
 void check_range(const at::Tensor& t, const char* op, const char* arg, int64_t lo, int64_t hi);
+
+// The storage format a kernel reads for a float tensor (f32, bf16 or f16).
+Fmt fmt_of(const at::Tensor& t);
 
 // Each binding records the highest ISA level its kernels specialize for; backend_info()
 // reports min(active ISA, that level) per op.

@@ -25,6 +25,14 @@ void check_range(const at::Tensor& t, const char* op, const char* arg, int64_t l
                ", outside the valid range [", lo, ", ", hi, ")");
 }
 
+Fmt fmt_of(const at::Tensor& t) {
+  switch (t.scalar_type()) {
+    case at::kBFloat16: return Fmt::kBF16;
+    case at::kHalf: return Fmt::kF16;
+    default: return Fmt::kF32;
+  }
+}
+
 static std::map<std::string, int>& op_levels() {
   static std::map<std::string, int> m;
   return m;

@@ -45,13 +45,6 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
-Fmt fmt_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return Fmt::kBF16;
-    case at::kHalf: return Fmt::kF16;
-    default: return Fmt::kF32;
-  }
-}
 
 // Rows of a 2-D tensor are copied/read as contiguous runs of H elements.
 bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }

@@ -29,13 +29,6 @@ int method_code(const std::string& m) {
   return -1;
 }
 
-Fmt fmt_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return Fmt::kBF16;
-    case at::kHalf: return Fmt::kF16;
-    default: return Fmt::kF32;
-  }
-}
 
 // Tokens per parallel task: ~16K expert keys (~8 us), so the thread pool's fork/join is
 // amortized; fewer tokens run on the calling thread. The policy and its reasons live in

@@ -6,13 +6,6 @@ namespace {
 
 constexpr const char* kOp = "router_gemm";
 
-Fmt fmt_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return Fmt::kBF16;
-    case at::kHalf: return Fmt::kF16;
-    default: return Fmt::kF32;
-  }
-}
 
 at::Tensor router_gemm_cpu(const at::Tensor& x, const at::Tensor& weight) {
   check_cpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);

@@ -18,13 +18,6 @@ constexpr int64_t kMaxT = 8;
 constexpr int64_t kRowsPerBlock = 4;         // the kernel's row tile
 constexpr int64_t kMinBytesPerTask = 128 << 10;  // less weight per thread: fewer threads
 
-Fmt fmt_of(const at::Tensor& t) {
-  switch (t.scalar_type()) {
-    case at::kBFloat16: return Fmt::kBF16;
-    case at::kHalf: return Fmt::kF16;
-    default: return Fmt::kF32;
-  }
-}
 
 at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
