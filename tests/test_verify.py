@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -122,8 +123,9 @@ def test_every_mutant_is_killed():
     recs = runner.run_mutants(90.0, seed=3, progress=False)
     survivors = [r["name"] for r in recs if not r["killed"]]
     assert not survivors, f"mutants survived: {survivors}"
-    crashed = [(r["name"], r["kind"], r["message"]) for r in recs if r["kind"] != "mismatch"]
-    assert not crashed, f"mutants killed by something other than a mismatch: {crashed}"
+    kinds = {m.name: m.kind for m in MUTANTS}
+    crashed = [(r["name"], r["kind"], r["message"]) for r in recs if r["kind"] != kinds[r["name"]]]
+    assert not crashed, f"mutants killed by something other than what they break: {crashed}"
 
 
 # ============================================================================ tolerance
@@ -444,6 +446,47 @@ def test_batch_variant_kernel_is_caught():
 
 
 @pytest.mark.skipif(OPTIMIZED is None or not hasattr(OPTIMIZED, "FusedGate"), reason="optimized has no FusedGate")
+def test_random_batches_embed_the_token_across_the_crossovers():
+    rng = random.Random(0)
+    seen = set()
+    for _ in range(200):
+        T = rng.randint(1, 40)
+        t = rng.randrange(T)
+        batches = runner._bi_batches(T, t, rng, None)
+        assert batches[0] == ("alone", [t], 0)
+        assert batches[1] == (f"the batch of {T}", list(range(T)), t)
+        for label, rows, pos in batches[2:]:
+            assert rows[pos] == t and all(0 <= r < T for r in rows)
+            seen.add(next(i for i, (lo, hi) in enumerate(runner._BI_SIZES) if lo <= len(rows) <= hi))
+        for label, rows, pos in runner._bi_batches(T, t, rng, 8)[1:]:
+            assert len(rows) <= 8 and rows[pos] == t
+    assert seen == {0, 1, 2}, "random batches must cover every size band"
+
+
+@pytest.mark.skipif(OPTIMIZED is None or not hasattr(OPTIMIZED, "batch_invariant_mode"),
+                    reason="optimized has no batch_invariant_mode")
+@pytest.mark.parametrize("op", [n for n, e in REG.items() if e.token_gather is not None])
+def test_batch_invariance_property_holds(op):
+    """SPEC's promise on the real kernels: every case of these cells runs the property."""
+    e = REG[op]
+    dist = "hot_expert" if "hot_expert" in e.dists else e.dists[0]
+    st = runner.run_cell(e, "cpu", dist, 2.0, seed=4, fixed={"bi": True}, shrink=False, min_cases=2)
+    assert st.failures == 0, st.failure
+    assert st.bi_checks >= 1
+
+
+def test_policy_dependent_fused_experts_is_caught():
+    """Accurate but policy-dependent bits: killed by the property, not by the tolerance."""
+    from verify.mutants import experts_policy_dependent
+    s = {"op": "fused_experts", "backend": "cpu", "dist": "uniform", "E": 4, "E_global": 4, "K": 2, "H": 64, "I": 32,
+         "quant": "bf16", "activation": "silu", "bias": "none", "dispatch": "auto", "big": False, "T": 6, "seed": 3,
+         "dchoice": 0, "bi": True}
+    base = OPTIMIZED.fused_experts
+    assert runner.run_case(REG["fused_experts"], s, fn=base).ok
+    r = runner.run_case(REG["fused_experts"], s, fn=experts_policy_dependent(base))
+    assert not r.ok and r.kind == "batch_invariance" and "dispatch=blocked" in r.message, r
+
+
 def test_stale_fused_gate_module_is_caught(monkeypatch):
     class StaleGate(OPTIMIZED.FusedGate):
         def forward(self, x):               # never notices a reload: the first cache forever

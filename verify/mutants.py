@@ -318,6 +318,44 @@ def experts_weights_ignored(fn):
     return f
 
 
+def experts_policy_dependent(fn):
+    """The blocked micro-kernel rounds differently from tiny (last bit of one column): within
+    the tolerance, but a token's bits then depend on the policy (SPEC's batch invariance)."""
+    @_wraps(fn)
+    def f(x, w13, w2, topk_weights, topk_ids, **kw):
+        y = fn(x, w13, w2, topk_weights, topk_ids, **kw)
+        if kw.get("dispatch") == "blocked" and y.numel():
+            y = y.clone()
+            y[:, 0] = (y[:, 0].view(torch.int16) ^ 1).view(y.dtype)
+        return y
+    return f
+
+
+# ============================================================================ batch invariance
+def router_gemm_batch_dependent(fn):
+    """A library GEMM for batches above 8 tokens (another summation order: last bits move),
+    as a dispatcher that forgets batch-invariant mode would do."""
+    @_wraps(fn)
+    def f(x, weight):
+        if x.shape[0] > 8:
+            return torch.nn.functional.linear(x.double(), weight.double()).float()
+        return fn(x, weight)
+    return f
+
+
+def route_variant_outside_mode(fn):
+    """Weights one f32 ulp off for batches of several tokens unless batch-invariant mode is
+    on: an op declared invariant by construction that is so only in the mode."""
+    @_wraps(fn)
+    def f(logits, top_k, method, **kw):
+        w, ids = fn(logits, top_k, method, **kw)
+        from optimized import dispatch
+        if logits.shape[0] > 1 and not dispatch.batch_invariant() and w.numel():
+            w = torch.nextafter(w, torch.full_like(w, 2.0))
+        return w, ids
+    return f
+
+
 # ============================================================================ moe_forward
 def moe_bias_ignored(fn):
     """The selection bias of sigmoid_bias routing is dropped."""
@@ -419,6 +457,16 @@ MUTANTS: List[Mutant] = [
            dists=("uniform",), fixed={"quant": "mxfp4"}),
     Mutant("moe_forward.topk_minus_one", "moe_forward", "one expert too few per token", moe_topk_minus_one,
            dists=("uniform",)),
+    # batch invariance (SPEC): accurate everywhere, killed only by the bitwise property
+    Mutant("fused_experts.policy_dependent", "fused_experts", "blocked's bits differ from tiny's (within tolerance)",
+           experts_policy_dependent, dists=("uniform",), fixed={"dispatch": "auto", "bi": True, "quant": "bf16"},
+           kind="batch_invariance"),
+    Mutant("router_gemm.batch_dependent", "router_gemm", "another summation order above 8 tokens",
+           router_gemm_batch_dependent, dists=("uniform",), fixed={"bi": True, "x_dtype": "float32"},
+           kind="batch_invariance"),
+    Mutant("route.variant_outside_mode", "route", "batch dependent unless batch_invariant_mode is on",
+           route_variant_outside_mode, dists=("uniform",), fixed={"bi": True, "method": "softmax_topk"},
+           kind="batch_invariance"),
 ]
 
 

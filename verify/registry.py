@@ -9,7 +9,15 @@ An entry says everything verify needs to hold `optimized.<op>` against `referenc
                                             mutant) on that device; poisons scratch buffers
     compare(out, ref, case, ctx) -> CaseResult   exact for indices, the tolerance rule of
                                             verify.tolerance for arithmetic
-    token_slice(case, t) -> Case            the case restricted to token t (batch invariance)
+    token_gather(case, rows) -> Case        the case made of the given tokens (rows: token
+                                            indices, repeats allowed): the batch-invariance
+                                            property runs a token alone and inside random
+                                            batches of other tokens through it
+    invariant_always                        the backends where the op is batch invariant by
+                                            construction, i.e. also outside
+                                            optimized.batch_invariant_mode (docs/batch_invariance.md)
+    variants(case) -> [(label, Case)]       other ways to compute the same case that must agree
+                                            bit for bit (fused_experts: every dispatch policy)
     error_spec(seed) -> CallSpec            a small valid call + rules for malformed variants
                                             + explicit error inputs that must raise
     dists                                   the distributions the op runs under
@@ -76,6 +84,7 @@ class CaseResult:
     flip_gaps: List[float] = field(default_factory=list)   # key gap of each flip, in f32 ulps
     message: str = ""
     path: Optional[str] = None       # which kernel the dispatcher chose, when it says
+    bi_checked: bool = False         # the batch-invariance property was checked and held
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "kind": self.kind, "ratio": self.ratio, "flips": self.flips,
@@ -123,6 +132,7 @@ class Mutant:
     wrap: Callable[[Callable], Callable]
     dists: Optional[Tuple[str, ...]] = None     # where it is meant to show (None: all of the op's)
     fixed: Dict[str, Any] = field(default_factory=dict)   # structure fields forced for it
+    kind: str = "mismatch"                      # the failure kind that must kill it
 
 
 @dataclass
@@ -135,7 +145,10 @@ class OpInfo:
     error_spec: Callable[[int], CallSpec]
     dists: Tuple[str, ...] = ALL_DISTS
     call: Optional[Callable] = None
-    token_slice: Optional[Callable] = None
+    token_gather: Optional[Callable] = None
+    invariant_always: Tuple[str, ...] = ()
+    variants: Optional[Callable] = None
+    max_tokens: Optional[int] = None             # the op's own limit on T (skinny_gemm: 8)
     resolve: Optional[Callable] = None
     opt_name: str = ""
     weight: float = 1.0              # share of the time budget
@@ -523,9 +536,9 @@ def _compare_route(out, ref, case: Case, ctx: Ctx) -> CaseResult:
     return r
 
 
-def _route_slice(case: Case, t: int) -> Case:
+def _route_gather(case: Case, rows) -> Case:
     logits, K, method = case.args
-    return Case(case.op, case.structure, (logits[t:t + 1], K, method), dict(case.kwargs))
+    return Case(case.op, case.structure, (logits[rows].contiguous(), K, method), dict(case.kwargs))
 
 
 def _route_errors(seed: int) -> CallSpec:
@@ -596,8 +609,10 @@ def _compare_router_gemm(out, ref, case, ctx):
     return r
 
 
-def _x_slice(case: Case, t: int) -> Case:
-    return Case(case.op, case.structure, (case.args[0][t:t + 1],) + tuple(case.args[1:]), dict(case.kwargs))
+def _x_gather(case: Case, rows) -> Case:
+    """Tokens are the rows of the first argument (x); everything else is shared."""
+    return Case(case.op, case.structure, (case.args[0][rows].contiguous(),) + tuple(case.args[1:]),
+                dict(case.kwargs))
 
 
 def _router_gemm_errors(seed):
@@ -937,10 +952,11 @@ def _compare_unpermute(out, ref, case, ctx):
     return CaseResult(False, "mismatch", message=msg)
 
 
-def _unpermute_slice(case: Case, t: int) -> Case:
+def _unpermute_gather(case: Case, rows) -> Case:
+    """Token t owns weights[t] and dst_pos[t*K:(t+1)*K]; expert_out is shared."""
     eo, w, dp = case.args
     K = w.shape[1]
-    return Case(case.op, case.structure, (eo, w[t:t + 1], dp[t * K:(t + 1) * K]), {})
+    return Case(case.op, case.structure, (eo, w[rows].contiguous(), dp.view(-1, K)[rows].reshape(-1)), {})
 
 
 def _unpermute_errors(seed):
@@ -1079,11 +1095,17 @@ def _compare_fused_experts(out, ref, case, ctx):
     return _arith_result(res, "output")
 
 
-def _fused_slice(case: Case, t: int) -> Case:
+def _fused_gather(case: Case, rows) -> Case:
     kw = dict(case.kwargs)
-    kw["topk_weights"] = kw["topk_weights"][t:t + 1]
-    kw["topk_ids"] = kw["topk_ids"][t:t + 1]
-    return Case(case.op, case.structure, (case.args[0][t:t + 1],) + tuple(case.args[1:]), kw)
+    kw["topk_weights"] = kw["topk_weights"][rows].contiguous()
+    kw["topk_ids"] = kw["topk_ids"][rows].contiguous()
+    return Case(case.op, case.structure, (case.args[0][rows].contiguous(),) + tuple(case.args[1:]), kw)
+
+
+def _fused_variants(case: Case):
+    """The case under every dispatch policy: SPEC promises the same bits from each."""
+    return [(f"dispatch={d}", Case(case.op, case.structure, case.args, dict(case.kwargs, dispatch=d)))
+            for d in DISPATCHES]
 
 
 def _fused_errors(seed):
@@ -1310,9 +1332,6 @@ def _compare_moe(out, ref, case, ctx):
                       message=f"tokens {tt[:10].tolist()} judged stage by stage; rerouted {moved[:10]}")
 
 
-def _moe_slice(case: Case, t: int) -> Case:
-    return Case(case.op, case.structure, (case.args[0][t:t + 1],) + tuple(case.args[1:]), dict(case.kwargs))
-
 
 def _moe_errors(seed):
     g = D.generator(seed)
@@ -1348,30 +1367,32 @@ def register(info: OpInfo) -> OpInfo:
 
 
 register(OpInfo("route", ref_route, _draw_route, _make_route, _compare_route, _route_errors,
-                dists=ALL_DISTS, token_slice=_route_slice, weight=1.0,
+                dists=ALL_DISTS, token_gather=_route_gather, invariant_always=("cpu", "cuda"), weight=1.0,
                 notes="ids exact (near-tie flips counted), weights within 8 f32 ulps + 4x eager"))
 register(OpInfo("permute", ref_permute, _draw_permute, _make_permute, _compare_permute, _permute_errors,
                 dists=NO_NAN, call=_call_permute, weight=0.8,
                 notes="every output exact; scratch poisoned and aliasing checked"))
 register(OpInfo("unpermute", ref_unpermute, lambda d, dist, f: _draw_permute(d, dist, f, unpermute=True),
                 _make_unpermute, _compare_unpermute, _unpermute_errors, dists=NO_NAN,
-                token_slice=_unpermute_slice, weight=0.8, notes="bitwise (SPEC's f32 order)"))
+                token_gather=_unpermute_gather,
+                invariant_always=("cpu", "cuda"), weight=0.8, notes="bitwise (SPEC's f32 order)"))
 register(OpInfo("router_gemm", ref_router_gemm, _draw_router_gemm, _make_router_gemm, _compare_router_gemm,
-                _router_gemm_errors, dists=NO_NAN, token_slice=_x_slice, weight=1.0))
+                _router_gemm_errors, dists=NO_NAN, token_gather=_x_gather, weight=1.0))
 register(OpInfo("skinny_gemm", ref_skinny_gemm, _draw_linear(True), _make_linear("skinny_gemm"),
                 _compare_linear("skinny_gemm"), _linear_errors("skinny_gemm", True), dists=NO_NAN,
-                token_slice=_x_slice, weight=0.7))
+                token_gather=_x_gather, invariant_always=("cpu", "cuda"), max_tokens=8, weight=0.7))
 register(OpInfo("unquantized_gemm", ref_unquantized_gemm, _draw_linear(False), _make_linear("unquantized_gemm"),
                 _compare_linear("unquantized_gemm"), _linear_errors("unquantized_gemm", False), dists=NO_NAN,
-                token_slice=_x_slice, weight=0.8))
+                token_gather=_x_gather, weight=0.8))
 register(OpInfo("fused_gate_gemm", ref_fused_gate_gemm, _draw_fused_gate, _make_fused_gate, _compare_fused_gate,
-                _fused_gate_errors, dists=NO_NAN, token_slice=_x_slice, weight=0.7, call=_call_fused_gate,
+                _fused_gate_errors, dists=NO_NAN, token_gather=_x_gather, weight=0.7, call=_call_fused_gate,
                 notes="also through optimized.FusedGate with an in-place weight reload (structure 'module')",
                 error_ops=("fused_gate_gemm", "unquantized_gemm")))
 register(OpInfo("fused_experts", ref_fused_experts, _draw_fused_experts, _make_fused_experts, _compare_fused_experts,
-                _fused_errors, dists=NO_NAN, token_slice=_fused_slice, weight=2.0))
+                _fused_errors, dists=NO_NAN, token_gather=_fused_gather,
+                invariant_always=("cpu",), variants=_fused_variants, weight=2.0))
 register(OpInfo("moe_forward", ref_moe_forward, _draw_moe, _make_moe, _compare_moe, _moe_errors, dists=NO_NAN,
-                token_slice=_moe_slice, resolve=_moe_opt, weight=1.5,
+                token_gather=_x_gather, resolve=_moe_opt, weight=1.5,
                 error_ops=("moe_forward", "router_gemm", "route", "fused_experts"),
                 notes="optimized.moe_forward, else reference.moe_forward(ops=optimized) once the three ops exist"))
 

@@ -153,6 +153,24 @@ def markdown(res: RunResult) -> str:
                 "keys that an implementation may flush to zero."]
     else:
         out.append("none")
+    # batch invariance
+    from .registry import REGISTRY
+    out += ["", "## Batch invariance", "",
+            "A quarter of the cases also check SPEC's batch invariance bit for bit: one token alone, in its batch and "
+            "inside two random batches of other tokens (2-96 tokens, across the dispatchers' crossovers), under every "
+            "dispatch policy for fused_experts. `mode`: under optimized.batch_invariant_mode(True) only; `always`: "
+            "also outside it (invariant by construction). docs/batch_invariance.md says which path is which.", "",
+            "| op | backend | cases checked | checked | failures |", "|---|---|---|---|---|"]
+    agg_bi = defaultdict(lambda: [0, 0])
+    for c in res.cells:
+        agg_bi[(c.op, c.backend)][0] += c.bi_checks
+        agg_bi[(c.op, c.backend)][1] += int(c.first_failure_kind == "batch_invariance")
+    for (op, b), (n, nf) in agg_bi.items():
+        e = REGISTRY.get(op)
+        if e is None or e.token_gather is None:
+            continue
+        how = "mode + always" if b in e.invariant_always else "mode"
+        out.append(f"| {op} | {b} | {n} | {how} | {nf} |")
     # bad inputs
     out += ["", "## Bad-input fuzz", "", "| op | backend | calls | wrong | RuntimeError without the argument name |",
             "|---|---|---|---|---|"]

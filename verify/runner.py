@@ -14,8 +14,9 @@ own limit, after which unseen candidates are treated as passing and every result
 memoized so hypothesis's final replay of the minimal case is deterministic.
 
 Also here: the bad-input fuzz (malformed calls that must raise a clear error), the
-batch-invariance check (a token's outputs, bit for bit, alone vs in the batch, under
-`optimized.batch_invariant_mode`) and the mutant runs.
+batch-invariance property (a token's outputs, bit for bit, alone, in the batch and inside
+random batches of other tokens, under every dispatch variant; see `_batch_invariance`) and
+the mutant runs.
 """
 from __future__ import annotations
 
@@ -91,25 +92,70 @@ def _short_exc(e: BaseException) -> str:
     return f"{type(e).__name__}: {e}{where}"
 
 
-def _batch_invariance(entry: OpInfo, fn: Callable, case, device, ops) -> Optional[CaseResult]:
-    """Token t alone vs in the batch, under batch-invariant mode: bitwise equal rows."""
+# Batch sizes for the random batches: around the dispatchers' crossovers (skinny GEMM up to 8
+# tokens, router_gemm up to 32, fused_experts' tiny/blocked by block size) and past them.
+_BI_SIZES = ((2, 8), (9, 33), (34, 96))
+
+
+def _bi_batches(T: int, t: int, rng: random.Random, max_tokens: Optional[int]):
+    """(label, rows, position of token t): t alone, the case's own batch, and two random
+    batches of random other tokens of the case (repeats allowed) with t at a random place."""
+    out = [("alone", [t], 0)]
+    if max_tokens is None or T <= max_tokens:
+        out.append((f"the batch of {T}", list(range(T)), t))
+    for lo, hi in rng.sample(_BI_SIZES, 2):
+        hi = min(hi, max_tokens or hi)
+        if lo > hi:
+            lo = 2
+        B = rng.randint(lo, hi)
+        rows = [rng.randrange(T) for _ in range(B)]
+        p = rng.randrange(B)
+        rows[p] = t
+        out.append((f"a random batch of {B}", rows, p))
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(torch.uint8)
+
+
+def _batch_invariance(entry: OpInfo, fn: Callable, case, device, ops):
+    """SPEC's batch invariance, bit for bit: one token's outputs alone, in the case's batch,
+    and inside random batches of random other tokens; under every dispatch variant the op
+    has (fused_experts: each policy). Checked under optimized.batch_invariant_mode(True) for
+    every op, and also outside it on the backends where the op is invariant by construction
+    (entry.invariant_always; docs/batch_invariance.md). Returns a failure, True when the
+    property held, None when it does not apply (no token axis, T = 0)."""
     mode = getattr(ops, "batch_invariant_mode", None) if ops is not None else None
     T = case.structure.get("T", 0)
-    if mode is None or entry.token_slice is None or T < 2:
+    if mode is None or entry.token_gather is None or T < 1:
         return None
-    t = random.Random(case.structure.get("seed", 0)).randrange(T)
-    with mode(True):
-        full = to_cpu(entry.run(fn, case, device))
-        one = to_cpu(entry.run(fn, entry.token_slice(case, t), device))
-    for i, (a, b) in enumerate(zip(_tensors(full), _tensors(one))):
-        ra, rb = a[t:t + 1], b
-        same = ra.shape == rb.shape and bool(torch.equal(ra.contiguous().view(torch.uint8), rb.contiguous().view(torch.uint8)))
-        if not same:
-            return CaseResult(False, "batch_invariance",
-                              message=f"output {i} of token {t} differs between the batch of {T} and the token alone "
-                                      f"under batch_invariant_mode(True): {ra.reshape(-1)[:6].tolist()} vs "
-                                      f"{rb.reshape(-1)[:6].tolist()}")
-    return None
+    rng = random.Random(f"bi/{case.structure.get('seed', 0)}")
+    t = rng.randrange(T)
+    batches = _bi_batches(T, t, rng, entry.max_tokens)
+    variants = entry.variants(case) if entry.variants is not None else [("", case)]
+    backend = case.structure.get("backend", "cpu")
+    modes = (True, False) if backend in entry.invariant_always else (True,)
+    for on in modes:
+        first = None
+        with mode(on):
+            for k, (vlabel, vcase) in enumerate(variants):
+                # the other variants: alone and one random batch (the first covers the rest)
+                for blabel, rows, pos in (batches if k == 0 else batches[:1] + batches[-1:]):
+                    out = _tensors(to_cpu(entry.run(fn, entry.token_gather(vcase, rows), device)))
+                    row = [o[pos:pos + 1] for o in out]
+                    where = f"{blabel}" + (f", {vlabel}" if vlabel else "")
+                    if first is None:
+                        first, first_where = row, where
+                        continue
+                    for i, (a, b) in enumerate(zip(first, row)):
+                        if a.shape != b.shape or not torch.equal(_bits(a), _bits(b)):
+                            return CaseResult(
+                                False, "batch_invariance",
+                                message=f"output {i} of token {t} differs between {first_where} and {where} "
+                                        f"(batch_invariant_mode({on})): {a.reshape(-1)[:6].tolist()} vs "
+                                        f"{b.reshape(-1)[:6].tolist()}")
+    return True
 
 
 def run_case(entry: OpInfo, structure: dict, fn: Optional[Callable] = None, ops=None) -> CaseResult:
@@ -142,9 +188,10 @@ def run_case(entry: OpInfo, structure: dict, fn: Optional[Callable] = None, ops=
             bi = _batch_invariance(entry, fn, case, device, ops)
         except Exception as e:
             bi = CaseResult(False, "exception", message=f"batch-invariance call raised {_short_exc(e)}")
-        if bi is not None:
+        if isinstance(bi, CaseResult):
             bi.ratio = res.ratio
             return bi
+        res.bi_checked = bi is True
     return res
 
 
@@ -162,6 +209,7 @@ class CellStats:
     worst_structure: Optional[dict] = None
     flips: int = 0
     flip_gaps: List[float] = field(default_factory=list)
+    bi_checks: int = 0                 # cases whose batch-invariance property was checked
     paths: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     failure: Optional[dict] = None     # the minimal failing case
@@ -181,6 +229,7 @@ class CellStats:
             if self.worst is None or v > self.worst:
                 self.worst, self.worst_structure = v, structure
         self.flips += r.flips
+        self.bi_checks += int(r.bi_checked)
         self.flip_gaps.extend(r.flip_gaps[: max(0, 200 - len(self.flip_gaps))])
         if r.path:
             self.paths[r.path.split(" (")[0]] += 1
@@ -190,7 +239,8 @@ class CellStats:
                 "cases": self.cases, "failures": self.failures, "exact_cases": self.exact_cases,
                 "ratio_histogram": dict(zip(BIN_LABELS, self.bins)), "worst_ratio": self.worst,
                 "worst_structure": self.worst_structure, "near_tie_flips": self.flips,
-                "flip_gaps_ulps": self.flip_gaps, "paths": dict(self.paths), "seconds": round(self.seconds, 2),
+                "flip_gaps_ulps": self.flip_gaps, "batch_invariance_checks": self.bi_checks,
+                "paths": dict(self.paths), "seconds": round(self.seconds, 2),
                 "failure": self.failure}
 
 

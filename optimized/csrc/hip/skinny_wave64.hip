@@ -139,8 +139,11 @@ int launch_fmt(const uint16_t* x, int64_t ldx, const uint16_t* w, int64_t ldw, c
 
 }  // namespace
 
+// Decided from K alone (LDS sized for the largest T), never from T: a token's row then takes
+// the same kernel, hence the same reduction order, in a batch of any size (batch invariance).
 bool skinny_wave64_fits(Fmt fmt, int64_t T, int64_t K) {
-  return (fmt == Fmt::kBF16 || fmt == Fmt::kF16) && T >= 1 && T <= kSkinnyMaxT && K >= 1 && T * K * 2 <= kLdsBytes;
+  return (fmt == Fmt::kBF16 || fmt == Fmt::kF16) && T >= 1 && T <= kSkinnyMaxT && K >= 1 &&
+         kSkinnyMaxT * K * 2 <= kLdsBytes;
 }
 
 int skinny_wave64_launch(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias, void* out, Fmt fmt,
