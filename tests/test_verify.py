@@ -487,6 +487,42 @@ def test_policy_dependent_fused_experts_is_caught():
     assert not r.ok and r.kind == "batch_invariance" and "dispatch=blocked" in r.message, r
 
 
+def test_moe_reroute_by_logits_is_counted_apart_from_near_tie_flips():
+    """A token whose (tolerated) logit error changes its experts under the reference routing
+    is a reroute, not a route near-tie flip. The case gets an exact tie (expert b's router row
+    set to the K-th selected expert a's, b > a so a wins), and the 'optimized' router nudges
+    b's logit of one token one ulp up: within router_gemm's rule, and b now beats a."""
+    from types import SimpleNamespace
+    e = REG["moe_forward"]
+    s = {"op": "moe_forward", "backend": "cpu", "dist": "uniform", "quant": "bf16", "H": 64, "I": 32, "E": 8,
+         "big": False, "activation": "silu", "dispatch": "auto", "method": "softmax_topk", "n_group": 1,
+         "topk_group": 1, "K": 2, "renormalize": False, "scaling": 1.0, "bias": "none", "T": 16, "seed": 7,
+         "dchoice": 0, "bi": False}
+    case = e.make_case(s)
+    x, W, w13, w2, K, method, rkw, fkw = R._moe_parts(case)
+    t = 3
+    lo = ref_router_gemm(x, W)
+    order = sorted(range(W.shape[0]), key=lambda i: (-float(lo[t, i]), i))
+    a = order[K - 1]
+    b = max(i for i in order[K:] + [a] if i >= a)
+    assert b > a, "pick another token: no unselected expert above the K-th"
+    W[b] = W[a]                                   # in place: the case now has the tie
+
+    def nudged_router_gemm(x, W):
+        lo = ref_router_gemm(x, W)
+        lo[t, b] = torch.nextafter(lo[t, a], torch.tensor(float("inf")))
+        return lo
+
+    w_o, ids_o = ref_route(nudged_router_gemm(x, W), K, method, **rkw)
+    assert b in ids_o[t].tolist() and a not in ids_o[t].tolist()
+    out = ref_fused_experts(x, w13, w2, w_o, ids_o, **fkw)
+    ref = R.reference_output(e, case)
+    ops = SimpleNamespace(router_gemm=nudged_router_gemm, route=ref_route)
+    r = R._compare_moe(out, ref, case, R.Ctx(torch.device("cpu"), ops))
+    assert r.ok, r.message
+    assert (r.reroutes, r.flips) == (1, 0), r
+
+
 def test_stale_fused_gate_module_is_caught(monkeypatch):
     class StaleGate(OPTIMIZED.FusedGate):
         def forward(self, x):               # never notices a reload: the first cache forever

@@ -85,6 +85,7 @@ class CaseResult:
     message: str = ""
     path: Optional[str] = None       # which kernel the dispatcher chose, when it says
     bi_checked: bool = False         # the batch-invariance property was checked and held
+    reroutes: int = 0                # moe_forward: tokens whose (tolerated) logit error changed the experts
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "kind": self.kind, "ratio": self.ratio, "flips": self.flips,
@@ -1273,7 +1274,9 @@ def _compare_moe(out, ref, case, ctx):
     optimized logits must pass router_gemm's rule, the optimized routing of those logits
     must pass route's rule (near-tie flips allowed, exact ties never), and their output must
     pass fused_experts' rule against the reference MLP applied to that routing. Tokens whose
-    experts changed that way are counted as near-tie flips. (The optimized stages are rerun
+    experts changed are counted as near-tie flips when route itself flipped a near tie (the
+    reference routing of the optimized logits agrees with the reference), else as reroutes
+    (the logits' tolerated error changed the selection). (The optimized stages are rerun
     on the whole batch, as moe_forward ran them: a dispatcher may choose by T.)"""
     bad = _shape_check(out, ref)
     if bad:
@@ -1319,18 +1322,27 @@ def _compare_moe(out, ref, case, ctx):
                                    f"the optimized routing)")
     rest = res.ratios[~judge]
     ratio = max(float(rest.max()) if rest.numel() else 0.0, res2.ratio)
-    moved, gaps = [], []
+    # A moved token is a near-tie flip of route when the reference routing of the optimized
+    # logits still picks the reference's experts (the gap is measured on those logits' keys);
+    # otherwise the logits themselves (within router_gemm's rule) changed the selection: a
+    # reroute, counted apart.
+    _, ids_on_opt = ref_route(lo, K, method, **rkw)
+    moved, gaps, rerouted = [], [], []
     for i, t in enumerate(tt.tolist()):
-        if bool(moved_mask[t]):
-            moved.append(t)
-            keys = selection_keys(logits[t:t + 1], method, rkw.get("bias"), rkw.get("n_group", 1),
-                                  rkw.get("topk_group", 1))[0]
-            d = ids_a[i] != ids_r[t]
-            g = tol.ulp_distance_f32(keys[ids_r[t][d].long()], keys[ids_a[i][d].long()])
-            gaps.append(float(g.max()) if g.numel() else 0.0)
-    return CaseResult(True, "ok", ratio=ratio, flips=len(moved), flip_gaps=gaps,
-                      message=f"tokens {tt[:10].tolist()} judged stage by stage; rerouted {moved[:10]}")
-
+        if not bool(moved_mask[t]):
+            continue
+        if not torch.equal(ids_on_opt[i], ids_r[t]):
+            rerouted.append(t)
+            continue
+        moved.append(t)
+        keys = selection_keys(lo[i:i + 1], method, rkw.get("bias"), rkw.get("n_group", 1),
+                              rkw.get("topk_group", 1))[0]
+        d = ids_a[i] != ids_r[t]
+        g = tol.ulp_distance_f32(keys[ids_r[t][d].long()], keys[ids_a[i][d].long()])
+        gaps.append(float(g.max()) if g.numel() else 0.0)
+    return CaseResult(True, "ok", ratio=ratio, flips=len(moved), flip_gaps=gaps, reroutes=len(rerouted),
+                      message=f"tokens {tt[:10].tolist()} judged stage by stage; near-tie flips {moved[:10]}, "
+                              f"rerouted by their logits {rerouted[:10]}")
 
 
 def _moe_errors(seed):

@@ -64,7 +64,8 @@ def summary_table(res: RunResult) -> str:
     lines.append("")
     lines.append(f"{total_cases} cases, {len([f for f in res.failures if f.get('dist') != 'bad-inputs'])} failing cells, "
                  f"{total_bad} bad-input calls ({sum(len(b.failures) for b in res.bad_inputs)} wrong), "
-                 f"{sum(c.flips for c in res.cells)} near-tie flips, {res.meta.get('seconds', 0)} s")
+                 f"{sum(c.flips for c in res.cells)} near-tie flips, {sum(c.reroutes for c in res.cells)} moe_forward "
+                 f"logit reroutes, {res.meta.get('seconds', 0)} s")
     worst = [c.worst for c in res.cells if c.worst is not None and not c.failures]
     if worst:
         lines.append(f"worst error/tolerance over passing cells: {max(worst):.3g} (pass <= 1)")
@@ -137,8 +138,8 @@ def markdown(res: RunResult) -> str:
     if flips:
         out.append("Ids that differ from the reference where the swapped keys are within what an f32 "
                    "implementation may legitimately differ by (route: >= 4 f32 ulps, more for softmax keys far "
-                   "below the row max, none for raw-logit keys; moe_forward: tokens whose optimized logits, within "
-                   "router_gemm's tolerance, route differently). Counted, never failures; exact ties never flip.")
+                   "below the row max, none for raw-logit keys; moe_forward: tokens that route's near-tie rule "
+                   "moved, the gap measured on the optimized logits). Counted, never failures; exact ties never flip.")
         out += ["", "| op | backend | distribution | flips | key gaps (f32 ulps) |", "|---|---|---|---|---|"]
         for c in flips:
             gaps = sorted(c.flip_gaps)
@@ -153,6 +154,12 @@ def markdown(res: RunResult) -> str:
                 "keys that an implementation may flush to zero."]
     else:
         out.append("none")
+    rer = [c for c in res.cells if c.reroutes]
+    if rer:
+        out += ["", "moe_forward tokens rerouted by their logits (the optimized router logits, within "
+                "router_gemm's rule, select other experts even under the reference routing; the output was then "
+                "judged against the reference MLP with that routing): "
+                + ", ".join(f"{c.dist} {c.reroutes}" for c in rer) + "."]
     # batch invariance
     from .registry import REGISTRY
     out += ["", "## Batch invariance", "",

@@ -210,6 +210,7 @@ class CellStats:
     flips: int = 0
     flip_gaps: List[float] = field(default_factory=list)
     bi_checks: int = 0                 # cases whose batch-invariance property was checked
+    reroutes: int = 0                  # moe_forward tokens rerouted by a tolerated logit error
     paths: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     failure: Optional[dict] = None     # the minimal failing case
@@ -230,6 +231,7 @@ class CellStats:
                 self.worst, self.worst_structure = v, structure
         self.flips += r.flips
         self.bi_checks += int(r.bi_checked)
+        self.reroutes += r.reroutes
         self.flip_gaps.extend(r.flip_gaps[: max(0, 200 - len(self.flip_gaps))])
         if r.path:
             self.paths[r.path.split(" (")[0]] += 1
@@ -240,6 +242,7 @@ class CellStats:
                 "ratio_histogram": dict(zip(BIN_LABELS, self.bins)), "worst_ratio": self.worst,
                 "worst_structure": self.worst_structure, "near_tie_flips": self.flips,
                 "flip_gaps_ulps": self.flip_gaps, "batch_invariance_checks": self.bi_checks,
+                "logit_reroutes": self.reroutes,
                 "paths": dict(self.paths), "seconds": round(self.seconds, 2),
                 "failure": self.failure}
 
