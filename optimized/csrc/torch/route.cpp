@@ -42,11 +42,7 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
                                              const std::optional<at::Tensor>& bias_in, double scaling,
                                              bool renormalize, int64_t n_group, int64_t topk_group) {
   check_cpu(logits_in, kOp, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  // Rows may be apart by any stride (a column slice of a wider matrix is read in place);
-  // only a non-unit stride along E costs a contiguous copy.
-  const at::Tensor logits =
-      logits_in.size(0) > 0 && logits_in.size(1) > 1 && logits_in.stride(1) != 1 ? logits_in.contiguous() : logits_in;
-  const int64_t T = logits.size(0), E = logits.size(1);
+  const int64_t T = logits_in.size(0), E = logits_in.size(1);
   MOELAB_CHECK(E >= 1 && E <= cpu::kRouteMaxExperts, kOp, "logits", "must have 1 <= E <= ",
                cpu::kRouteMaxExperts, " columns (experts), got E = ", E);
   const int m = method_code(method);
@@ -55,14 +51,13 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
                std::min<int64_t>(E, cpu::kRouteMaxTopK), ", got ", top_k);
   MOELAB_CHECK(m != cpu::kLlama4 || top_k == 1, kOp, "top_k", "must be 1 for method 'llama4', got ", top_k);
   const bool biased = m == cpu::kSigmoidBias || m == cpu::kGroupedSigmoidBias;
-  std::optional<at::Tensor> bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
+  // Every check comes before the copies below (a stride-0 expanded tensor may have any size).
   if (biased) {
-    MOELAB_CHECK(bias.has_value(), kOp, "bias", "is required by method '", method, "'");
-    check_cpu(*bias, kOp, "bias", 1, {at::kFloat, at::kBFloat16});
-    MOELAB_CHECK(bias->size(0) == E, kOp, "bias", "must have shape (", E, "), got ", bias->sizes());
+    MOELAB_CHECK(bias_in.has_value(), kOp, "bias", "is required by method '", method, "'");
+    check_cpu(*bias_in, kOp, "bias", 1, {at::kFloat, at::kBFloat16}, /*contiguous=*/false);
+    MOELAB_CHECK(bias_in->size(0) == E, kOp, "bias", "must have shape (", E, "), got ", bias_in->sizes());
   } else {
-    MOELAB_CHECK(!bias.has_value(), kOp, "bias", "is only used by sigmoid_bias, grouped_sigmoid_bias");
+    MOELAB_CHECK(!bias_in.has_value(), kOp, "bias", "is only used by sigmoid_bias, grouped_sigmoid_bias");
   }
   if (m == cpu::kGroupedSigmoidBias) {
     MOELAB_CHECK(E <= 1024, kOp, "logits", "must have E <= 1024 for grouped routing, got E = ", E);
@@ -79,12 +74,19 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
     MOELAB_CHECK(topk_group == 1, kOp, "topk_group",
                  "only applies to method 'grouped_sigmoid_bias', got ", topk_group);
   }
-  MOELAB_CHECK(std::isfinite(scaling), kOp, "scaling", "must be finite, got ", scaling);
+  check_finite(scaling, kOp, "scaling");
   MOELAB_CHECK(biased || scaling == 1.0, kOp, "scaling",
                "only applies to sigmoid_bias, grouped_sigmoid_bias; must be 1.0, got ", scaling);
   MOELAB_CHECK(!renormalize || m == cpu::kSoftmaxTopk || m == cpu::kTopkSoftmax || m == cpu::kSigmoidTopk,
                kOp, "renormalize", "only applies to softmax_topk, topk_softmax, sigmoid_topk");
+  check_numel({T, top_k}, 4, kOp, "logits");
 
+  // Rows may be apart by any stride (a column slice of a wider matrix is read in place);
+  // only a non-unit stride along E costs a contiguous copy.
+  const at::Tensor logits =
+      T > 0 && E > 1 && logits_in.stride(1) != 1 ? logits_in.contiguous() : logits_in;
+  std::optional<at::Tensor> bias;
+  if (biased) bias = bias_in->contiguous();
   auto opts = logits.options();
   at::Tensor weights = at::empty({T, top_k}, opts.dtype(at::kFloat));
   at::Tensor ids = at::empty({T, top_k}, opts.dtype(at::kInt));

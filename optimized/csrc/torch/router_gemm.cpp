@@ -12,9 +12,10 @@ at::Tensor router_gemm_cpu(const at::Tensor& x, const at::Tensor& weight) {
   MOELAB_CHECK(x.size(0) == 0 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
   check_cpu(weight, kOp, "weight", 2, {at::kFloat});
   const int64_t T = x.size(0), H = x.size(1), E = weight.size(0);
-  MOELAB_CHECK(H >= 1 && weight.size(1) == H, kOp, "weight", "must have shape (E, ", H, "), got ",
-               weight.sizes());
+  MOELAB_CHECK(H >= 1, kOp, "x", "must have H >= 1 columns");
+  MOELAB_CHECK(weight.size(1) == H, kOp, "weight", "must have shape (E, ", H, "), got ", weight.sizes());
   MOELAB_CHECK(E >= 1, kOp, "weight", "must have E >= 1 rows");
+  check_numel({T, E}, 4, kOp, "x");   // T rows of x (stride 0 allowed: any T) times E
   at::Tensor out = at::empty({T, E}, x.options().dtype(at::kFloat));
   if (T == 0) return out;
   auto* fn = MOELAB_PICK(router_gemm_experts);

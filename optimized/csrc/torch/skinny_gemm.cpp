@@ -39,6 +39,7 @@ at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
     check_cpu(b, kOp, "bias", 1, {x.scalar_type()});
     MOELAB_CHECK(b.size(0) == N, kOp, "bias", "must have shape (", N, "), got ", b.sizes());
   }
+  check_numel({T, N}, x.element_size(), kOp, "weight");   // N rows of weight (stride 0 allowed: any N)
   at::Tensor out = at::empty({T, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0) return out;
   auto* fn = MOELAB_PICK(skinny_gemm_rows);
