@@ -28,7 +28,7 @@ from reference import validate
 from reference.permute import Permuted
 from reference.validate import capacity
 
-from . import dispatch, gpu
+from . import _fake, dispatch, gpu
 
 __all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
 
@@ -74,6 +74,9 @@ class PermuteScratch(_ref.PermuteScratch):
 
 @torch.library.register_fake("moelab::permute")
 def _permute_fake(hidden, ids, n_experts, expert_map, n_local_experts, align):
+    _fake.check("permute", ("hidden", hidden, 2), ("ids", ids, 2), ("expert_map", expert_map, 1))
+    _fake.check_positive("permute", "n_local_experts", n_local_experts)
+    _fake.check_positive("permute", "align", align)
     T, H = hidden.shape
     cap = capacity(T, ids.shape[1], n_local_experts, align)
     return (hidden.new_empty(n_local_experts + 1, dtype=torch.int64), hidden.new_empty(cap, H),
@@ -83,11 +86,16 @@ def _permute_fake(hidden, ids, n_experts, expert_map, n_local_experts, align):
 @torch.library.register_fake("moelab::permute_out")
 def _permute_out_fake(hidden, ids, n_experts, expert_map, n_local_experts, align, offsets,
                       hidden_out, src_row, dst_pos, counts):
+    # (a call with any meta argument lands here: with CPU buffers it would write nothing)
+    _fake.check("permute_out", ("hidden", hidden, 2), ("ids", ids, 2), ("expert_map", expert_map, 1),
+                ("offsets", offsets, 1), ("hidden_out", hidden_out, 2), ("src_row", src_row, 1),
+                ("dst_pos", dst_pos, 1), ("counts", counts, 1))
     return None
 
 
 @torch.library.register_fake("moelab::unpermute")
 def _unpermute_fake(expert_out, weights, dst_pos):
+    _fake.check("unpermute", ("expert_out", expert_out, 2), ("weights", weights, 2), ("dst_pos", dst_pos, 1))
     return expert_out.new_empty(weights.shape[0], expert_out.shape[1])
 
 

@@ -660,3 +660,94 @@ def test_set_isa_bad_name():
     for name in ("avx1024", "", "AVX2 "):
         with pytest.raises(RuntimeError, match=r"moelab::set_isa: argument 'name'"):
             ops.set_isa(name)
+
+
+# ------------------------------------------------------------------ the meta device
+def _tensor_names(kw):
+    return [k for k, v in kw.items() if isinstance(v, torch.Tensor)]
+
+
+def _on(kw, device, names=None):
+    return {k: v.to(device) if isinstance(v, torch.Tensor) and (names is None or k in names) else v
+            for k, v in kw.items()}
+
+
+def _flat(result):
+    if result is None:
+        return []
+    return [result] if isinstance(result, torch.Tensor) else list(result)
+
+
+ALL_BASES = [(op, b) for op, bs in BASES.items() for b in bs]
+
+
+@pytest.mark.parametrize("op,base", ALL_BASES, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_all_meta_call_gives_the_real_shapes(op, base):
+    """Only meta tensors: the fake kernel runs and its outputs match the real call's in
+    shape and dtype (permute_out returns nothing either way)."""
+    kw = base()
+    real = _flat(run(op, kw))
+    meta = _flat(run(op, _on(kw, "meta")))
+    assert len(meta) == len(real)
+    for m, r in zip(meta, real):
+        assert m.device.type == "meta"
+        assert (m.shape, m.dtype) == (r.shape, r.dtype)
+
+
+MIXED = [(op, b, name) for op, b in ALL_BASES if len(_tensor_names(b())) > 1 for name in _tensor_names(b())]
+
+
+@pytest.mark.parametrize("op,base,arg", MIXED, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_one_meta_argument_among_cpu_raises(op, base, arg):
+    """The dispatcher runs the fake kernel when ANY argument is meta. Before the fakes checked
+    devices, this returned uninitialized CPU tensors (permute_out: wrote nothing)."""
+    kw = base()
+    kw[arg] = kw[arg].to("meta")
+    with pytest.raises(RuntimeError) as info:
+        run(op, kw)
+    msg = str(info.value)
+    assert f"moelab::{op}" in msg and f"'{arg}'" in msg, msg
+
+
+@pytest.mark.parametrize("op,base,arg", MIXED, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_one_cpu_argument_among_meta_raises(op, base, arg):
+    cpu = base()
+    kw = _on(cpu, "meta")
+    kw[arg] = cpu[arg]
+    with pytest.raises(RuntimeError) as info:
+        run(op, kw)
+    msg = str(info.value)
+    assert f"moelab::{op}" in msg and f"'{arg}'" in msg, msg
+
+
+META_RANKS = [("route", route_base, "logits"), ("route", route_base, "bias"), ("router_gemm", router_gemm_base, "x"),
+              ("router_gemm", router_gemm_base, "weight"), ("skinny_gemm", skinny_base, "x"),
+              ("skinny_gemm", skinny_base, "weight"), ("skinny_gemm", skinny_base, "bias"),
+              ("permute", permute_map, "hidden"), ("permute", permute_map, "ids"),
+              ("permute", permute_map, "expert_map"), ("unpermute", unpermute_base, "expert_out"),
+              ("unpermute", unpermute_base, "weights"), ("unpermute", unpermute_base, "dst_pos"),
+              ("fused_experts", fe_base, "x"), ("fused_experts", fe_base, "topk_ids"),
+              ("fused_experts", fe_oai, "w2_bias"), ("prepack_moe_weight", prepack_base, "w")] + [
+              ("permute_out", permute_out_map, n) for n in ("hidden", "ids", "expert_map", *OUTS)]
+
+
+@pytest.mark.parametrize("op,base,arg", META_RANKS, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_meta_wrong_rank_raises(op, base, arg):
+    """A fake reads the sizes it needs, so it checks those tensors' ranks (not a Python
+    unpacking error)."""
+    kw = _on(base(), "meta")
+    kw[arg] = kw[arg][None]
+    with pytest.raises(RuntimeError) as info:
+        run(op, kw)
+    msg = str(info.value)
+    assert f"moelab::{op}" in msg and f"'{arg}'" in msg, msg
+
+
+def test_meta_permute_bad_scalars_raise():
+    for arg, v in (("align", 0), ("n_local_experts", 0), ("align", -3)):
+        kw = _on(permute_base(), "meta")
+        kw[arg] = v
+        with pytest.raises(RuntimeError, match=rf"moelab::permute: argument '{arg}'"):
+            run("permute", kw)
+    with pytest.raises(RuntimeError, match=r"moelab::prepack_moe_weight: argument 'quant'"):
+        run("prepack_moe_weight", _on({**prepack_base(), "quant": "int4"}, "meta"))
