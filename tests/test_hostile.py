@@ -751,3 +751,148 @@ def test_meta_permute_bad_scalars_raise():
             run("permute", kw)
     with pytest.raises(RuntimeError, match=r"moelab::prepack_moe_weight: argument 'quant'"):
         run("prepack_moe_weight", _on({**prepack_base(), "quant": "int4"}, "meta"))
+
+
+# ------------------------------------------------------ strided inputs a kernel accepts
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def _outputs(op, kw, result):
+    return [kw[n] for n in OUTS] if op == "permute_out" else _flat(result)
+
+
+def _dense(kw):
+    return {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kw.items()}
+
+
+ACCEPTED = []
+
+
+def ok(op, base, desc, **over):
+    """A strided (or otherwise unusual) input the binding accepts: the result must have the
+    same bits as the call with every input made contiguous."""
+    def make():
+        kw = base()
+        for k, v in over.items():
+            kw[k] = v(kw) if callable(v) and not isinstance(v, torch.Tensor) else v
+        return kw
+    ACCEPTED.append(pytest.param(op, make, id=f"{op}-{base.__name__}-{desc}"))
+
+
+def rows_expanded(name):
+    """Every row of kw[name] replaced by its first row, stride 0."""
+    return lambda kw: kw[name][:1].expand(kw[name].shape)
+
+
+ok("route", route_base, "logits-transposed", logits=lambda kw: transposed(kw["logits"]))
+ok("route", route_base, "logits-stepped-rows", logits=lambda kw: stepped(kw["logits"]))
+ok("route", route_base, "logits-stepped-cols", logits=lambda kw: stepped(kw["logits"], 1))
+ok("route", route_base, "logits-expanded-rows", logits=rows_expanded("logits"))
+ok("route", route_base, "logits-column-slice", logits=lambda kw: torch.cat([kw["logits"], kw["logits"]], 1)[:, 3:3 + E_R])
+ok("route", route_base, "bias-stepped", bias=lambda kw: stepped(kw["bias"]))
+ok("route", route_grouped, "bias-expanded", bias=huge(E_R, fill=0.5))
+ok("route", route_softmax, "logits-bf16-transposed", logits=lambda kw: transposed(kw["logits"].to(torch.bfloat16)))
+ok("router_gemm", router_gemm_base, "x-stepped-rows", x=lambda kw: stepped(kw["x"]))
+ok("router_gemm", router_gemm_base, "x-expanded-rows", x=rows_expanded("x"))
+ok("skinny_gemm", skinny_base, "x-stepped-rows", x=lambda kw: stepped(kw["x"]))
+ok("skinny_gemm", skinny_base, "x-expanded-rows", x=rows_expanded("x"))
+ok("skinny_gemm", skinny_base, "weight-stepped-rows", weight=lambda kw: stepped(kw["weight"]))
+ok("skinny_gemm", skinny_base, "weight-expanded-rows", weight=rows_expanded("weight"))
+ok("skinny_gemm", skinny_base, "K1-transposed", x=torch.ones(2, 4, dtype=torch.bfloat16)[:, :1],
+   weight=torch.ones(3, 5, dtype=torch.bfloat16)[:, 2:3], bias=None)
+for op, base, mbase in (("permute", permute_base, permute_map), ("permute_out", permute_out_base, permute_out_map)):
+    ok(op, base, "hidden-stepped-rows", hidden=lambda kw: stepped(kw["hidden"]))
+    ok(op, base, "hidden-expanded-rows", hidden=rows_expanded("hidden"))
+    ok(op, base, "ids-transposed", ids=lambda kw: transposed(kw["ids"]))
+    ok(op, base, "ids-stepped-cols", ids=lambda kw: stepped(kw["ids"], 1))
+    ok(op, base, "ids-expanded-rows", ids=rows_expanded("ids"))
+    ok(op, mbase, "ids-int64-transposed", ids=lambda kw: transposed(kw["ids"].to(torch.int64)))
+    ok(op, mbase, "expert_map-stepped", expert_map=lambda kw: stepped(kw["expert_map"]))
+    ok(op, mbase, "expert_map-expanded", expert_map=lambda kw: kw["expert_map"][4:5].expand(6))
+ok("unpermute", unpermute_base, "expert_out-stepped-rows", expert_out=lambda kw: stepped(kw["expert_out"]))
+ok("unpermute", unpermute_base, "weights-transposed", weights=lambda kw: transposed(kw["weights"]))
+ok("unpermute", unpermute_base, "weights-expanded-rows", weights=rows_expanded("weights"))
+ok("fused_experts", fe_base, "x-stepped-rows", x=lambda kw: stepped(kw["x"]))
+ok("fused_experts", fe_base, "x-expanded-rows", x=rows_expanded("x"))
+ok("fused_experts", fe_oai, "ids-and-weights-transposed", topk_ids=lambda kw: transposed(kw["topk_ids"]),
+   topk_weights=lambda kw: transposed(kw["topk_weights"]))
+ok("fused_experts", fe_packed_mx, "ids-stepped-weights-expanded", topk_ids=lambda kw: stepped(kw["topk_ids"], 1),
+   topk_weights=rows_expanded("topk_weights"))
+
+
+@pytest.mark.parametrize("op,make", ACCEPTED)
+def test_accepted_strided_input_same_bits(op, make):
+    kw = make()
+    assert any(isinstance(v, torch.Tensor) and not v.is_contiguous() for v in kw.values())
+    dense = _dense(kw)
+    got = _outputs(op, kw, run(op, kw))
+    want = _outputs(op, dense, run(op, dense))
+    assert len(got) == len(want) > 0
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        assert torch.equal(_bits(g), _bits(w))
+
+
+# -------------------------------------------------------------- zero-size dimensions
+def test_zero_size_dims_give_empty_outputs():
+    r = ops.route(torch.zeros(0, 8), 3, "softmax_topk")
+    assert [t.shape for t in r] == [(0, 3), (0, 3)]
+    assert ops.router_gemm(torch.zeros(0, 4), torch.zeros(5, 4)).shape == (0, 5)
+    assert ops.skinny_gemm(torch.zeros(0, 4), torch.zeros(5, 4)).shape == (0, 5)
+    # T = 0 with align 3: the capacity is E_loc * 2 zero rows
+    p = ops.permute(torch.zeros(0, 6), torch.zeros(0, 2, dtype=torch.int32), 4, None, 4, 3)
+    assert [t.shape for t in p] == [(5,), (8, 6), (8,), (0,)]
+    assert p[0].tolist() == [0] * 5 and p[2].tolist() == [-1] * 8 and not p[1].any()
+    # H = 0: the index outputs are still complete
+    ids = torch.tensor([[1, 0], [1, -1]], dtype=torch.int32)
+    p = ops.permute(torch.zeros(2, 0), ids, 2, None, 2, 1)
+    assert p[0].tolist() == [0, 1, 3] and p[1].shape == (4, 0)
+    assert p[2].tolist() == [1, 0, 2, -1] and p[3].tolist() == [1, 0, 2, -1]
+    assert ops.unpermute(torch.zeros(0, 5), torch.zeros(2, 3), torch.full((6,), -1, dtype=torch.int32)).eq(0).all()
+    assert ops.unpermute(torch.zeros(4, 0), torch.zeros(2, 1), torch.zeros(2, dtype=torch.int32)).shape == (2, 0)
+    assert ops.unpermute(torch.zeros(4, 3), torch.zeros(0, 2), torch.zeros(0, dtype=torch.int32)).shape == (0, 3)
+    kw = fe_base()
+    kw.update(x=kw["x"][:0], topk_ids=kw["topk_ids"][:0], topk_weights=kw["topk_weights"][:0])
+    assert run("fused_experts", kw).shape == (0, H_F)
+    kw = fe_base()   # every slot dropped: zeros
+    kw.update(topk_ids=torch.full_like(kw["topk_ids"], -1))
+    out = run("fused_experts", kw)
+    assert out.shape == (T_F, H_F) and not out.any()
+
+
+# ------------------------------------------------------ permute_out stays in its buffers
+PAD = 256  # bytes of canary around each buffer
+
+
+def _guarded(t: torch.Tensor):
+    """t's shape and dtype, living in the middle of a canary-filled byte buffer."""
+    n = t.numel() * t.element_size()
+    buf = torch.full((PAD + n + PAD,), 0xA5, dtype=torch.uint8)
+    return buf, buf[PAD: PAD + n].view(t.dtype).view(t.shape)
+
+
+GUARDED = [("valid", permute_out_base, {}), ("valid-map", permute_out_map, {}),
+           ("valid-T0", permute_out_base, dict(hidden=torch.zeros(0, H_P), ids=torch.zeros(0, K_P, dtype=torch.int32))),
+           ("bad-id-late", permute_out_base, dict(ids=lambda kw: kw["ids"].index_fill(0, torch.tensor([4]), E_P))),
+           ("bad-map-entry", permute_out_map, dict(expert_map=lambda kw: kw["expert_map"].index_fill(0, torch.tensor([5]), 3))),
+           ("hidden-expanded-T-huge", permute_out_base, dict(hidden=huge(2 ** 31, H_P), ids=huge(2 ** 31, 1, dtype=torch.int32)))]
+
+
+@pytest.mark.parametrize("desc,base,over", GUARDED, ids=[g[0] for g in GUARDED])
+def test_permute_out_writes_only_its_buffers(desc, base, over):
+    kw = base()
+    for k, v in over.items():
+        kw[k] = v(kw) if callable(v) else v
+    if desc == "valid-T0":
+        kw.update(permute_out_buffers(kw))
+    bufs = {}
+    for name in OUTS:
+        bufs[name], kw[name] = _guarded(kw[name])
+    try:
+        run("permute_out", kw)
+        assert desc.startswith("valid")
+    except RuntimeError as e:
+        assert not desc.startswith("valid"), e
+    for name, buf in bufs.items():
+        assert (buf[:PAD] == 0xA5).all() and (buf[-PAD:] == 0xA5).all(), name
