@@ -48,6 +48,14 @@ class PermuteScratch(_ref.PermuteScratch):
     between calls are unspecified; the views a call returns stay valid until the next call
     with this scratch. The buffers are fixed at construction (the per-T views are cached);
     make a new scratch rather than assigning new tensors to its attributes.
+
+    Threads (as reference.PermuteScratch): one call at a time. `permute` holds the scratch
+    (a non-blocking lock, ~0.1 us) from taking its views until the kernel has returned; a
+    concurrent call from another thread raises RuntimeError "permute: argument 'scratch' is
+    in use by another call ..." before it touches a buffer, so two threads never write one
+    scratch at once. Sequential calls from several threads work, but each call's results
+    (views) are overwritten by the next call from any thread: copy them, or give each thread
+    its own scratch.
     """
 
     def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,
@@ -113,7 +121,8 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
 
     With `scratch` (an optimized.PermuteScratch) the outputs are views of its buffers and
     nothing is allocated. Raises ValueError as the reference does ("permute: argument ..."),
-    and for a scratch that is not an optimized.PermuteScratch.
+    and for a scratch that is not an optimized.PermuteScratch; RuntimeError "permute:
+    argument 'scratch' is in use by another call" while another thread's call holds it.
     """
     E_loc = validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align, ranges=False)
     if scratch is not None:
@@ -125,6 +134,8 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         return _ref.permute(hidden, ids, n_experts, expert_map=expert_map, n_local_experts=n_local_experts,
                             align=align, scratch=scratch)
     hidden = _unit_inner(hidden)
+    if scratch is not None:
+        scratch._claim("permute")   # raises if another thread's call holds it (see PermuteScratch)
     try:
         if scratch is None:
             return Permuted(*_permute_op(hidden, ids, n_experts, expert_map, E_loc, align))
@@ -135,6 +146,9 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         # The kernel found an index out of range: word it as the reference does.
         validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
         raise
+    finally:
+        if scratch is not None:
+            scratch._release()
 
 
 def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:
