@@ -896,3 +896,33 @@ def test_permute_out_writes_only_its_buffers(desc, base, over):
         assert not desc.startswith("valid"), e
     for name, buf in bufs.items():
         assert (buf[:PAD] == 0xA5).all() and (buf[-PAD:] == 0xA5).all(), name
+
+
+# ------------------------------------------------ negative-bit views (torch._neg_view)
+NEGATABLE = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
+NEG_INPUTS = [(op, b, name) for op, b in ALL_BASES for name, v in b().items()
+              if isinstance(v, torch.Tensor) and v.dtype in NEGATABLE and not (op == "permute_out" and name in OUTS)]
+
+
+@pytest.mark.parametrize("op,base,arg", NEG_INPUTS, ids=lambda v: v if isinstance(v, str) else v.__name__)
+def test_negative_view_input_is_read_as_its_value(op, base, arg):
+    """A tensor carrying torch's lazy negation bit holds the values it shows: same bits as
+    the plain call (the Negative key materializes it before the kernel)."""
+    kw = base()
+    want = _outputs(op, kw, run(op, kw))
+    kw2 = base()
+    kw2[arg] = torch._neg_view(-kw2[arg])
+    assert kw2[arg].is_neg() and torch.equal(kw2[arg], kw[arg])
+    got = _outputs(op, kw2, run(op, kw2))
+    assert all(torch.equal(_bits(g), _bits(w)) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("name", [n for n, d in OUTS.items() if d in NEGATABLE])
+def test_permute_out_refuses_negative_view_outputs(name):
+    """Before: torch's Negative fallback hit an internal assert on permute_out (a mutable
+    argument that is not returned) and the process crashed on its next call."""
+    kw = permute_out_base()
+    kw[name] = torch._neg_view(kw[name])
+    with pytest.raises(RuntimeError, match=rf"moelab::permute_out: argument '{name}' must not be a negative view"):
+        run("permute_out", kw)
+    run("permute_out", permute_out_base())   # and the process is fine

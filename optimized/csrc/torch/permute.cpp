@@ -185,6 +185,35 @@ at::Tensor unpermute_cpu(const at::Tensor& expert_out, const at::Tensor& weights
   return out;
 }
 
+// permute_out for tensors with the negative bit (torch._neg_view, and views of such tensors).
+// torch's generic Negative fallback (ATen's MathBitsFallback) mishandles an op whose mutable
+// arguments are not returned: an internal assert, after which the process crashed on the
+// next call. So permute_out has its own Negative kernel: an output with the negative bit is
+// refused (the kernel writes raw bits; negating afterwards is not what the caller asked
+// for), an input with it is materialized, then the call goes on to the backend kernel.
+// Registered for the Negative key, so any backend (CPU, CUDA, meta) passes through it.
+void permute_out_negative(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                          const std::optional<at::Tensor>& expert_map, int64_t n_local_experts, int64_t align,
+                          const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
+                          const at::Tensor& dst_pos, const at::Tensor& counts) {
+  const std::pair<const at::Tensor*, const char*> outs[] = {
+      {&offsets, "offsets"}, {&hidden_out, "hidden_out"}, {&src_row, "src_row"}, {&dst_pos, "dst_pos"},
+      {&counts, "counts"}};
+  for (const auto& [t, name] : outs)
+    MOELAB_CHECK(!t->is_neg(), kPermuteOut, name, "must not be a negative view (torch._neg_view): the op "
+                 "writes its buffers as they are");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("moelab::permute_out", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
+                                   int64_t, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&)>();
+  c10::impl::ExcludeDispatchKeyGuard no_neg(c10::DispatchKey::Negative);
+  std::optional<at::Tensor> map;
+  if (expert_map.has_value()) map = expert_map->resolve_neg();
+  op.call(hidden.resolve_neg(), ids.resolve_neg(), n_experts, map, n_local_experts, align, offsets, hidden_out,
+          src_row, dst_pos, counts);
+}
+
 const int kRegistered = register_op_level(kPermute, cpu::Isa::kAvx512) + register_op_level(kUnpermute, cpu::Isa::kAvx512);
 
 }  // namespace
@@ -198,6 +227,7 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
         "Tensor(e!) counts) -> ()");
   m.def("unpermute(Tensor expert_out, Tensor weights, Tensor dst_pos) -> Tensor");
 }
+TORCH_LIBRARY_IMPL(moelab, Negative, m) { m.impl("permute_out", &moelab::permute_out_negative); }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) {
   m.impl("permute", &moelab::permute_cpu);
   m.impl("permute_out", &moelab::permute_out_cpu);
