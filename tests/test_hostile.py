@@ -795,6 +795,8 @@ ok("route", route_grouped, "bias-expanded", bias=huge(E_R, fill=0.5))
 ok("route", route_softmax, "logits-bf16-transposed", logits=lambda kw: transposed(kw["logits"].to(torch.bfloat16)))
 ok("router_gemm", router_gemm_base, "x-stepped-rows", x=lambda kw: stepped(kw["x"]))
 ok("router_gemm", router_gemm_base, "x-expanded-rows", x=rows_expanded("x"))
+ok("router_gemm", router_gemm_base, "H1-any-column-stride", x=lambda kw: kw["x"].reshape(-1).as_strided((5, 1), (3, 7)),
+   weight=lambda kw: kw["weight"][:, :1].contiguous())
 ok("skinny_gemm", skinny_base, "x-stepped-rows", x=lambda kw: stepped(kw["x"]))
 ok("skinny_gemm", skinny_base, "x-expanded-rows", x=rows_expanded("x"))
 ok("skinny_gemm", skinny_base, "weight-stepped-rows", weight=lambda kw: stepped(kw["weight"]))

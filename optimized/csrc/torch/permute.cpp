@@ -46,48 +46,21 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
+using PermuteArgs = checks::PermuteSizes;
 
-// Rows of a 2-D tensor are copied/read as contiguous runs of H elements.
-bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }
+// The device of every tensor argument, then the shared checks (csrc/torch/checks.h).
+PermuteArgs check_permute_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                                 const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
+  check_is_cpu(hidden, op, "hidden");
+  check_is_cpu(ids, op, "ids");
+  if (expert_map.has_value()) check_is_cpu(*expert_map, op, "expert_map");
+  return checks::check_permute_args(op, hidden, ids, n_experts, expert_map, n_local, align);
+}
 
 // Every scratch/out buffer: CPU, the dtype, exactly the shape, contiguous.
 void check_out(const at::Tensor& t, const char* arg, at::ScalarType dtype, at::IntArrayRef shape) {
-  check_cpu(t, kPermuteOut, arg, int64_t(shape.size()), {dtype});
-  MOELAB_CHECK(t.sizes() == shape, kPermuteOut, arg, "must have shape ", shape, ", got ", t.sizes());
-}
-
-struct PermuteArgs {
-  int64_t T, H, K, E_loc, cap;
-};
-
-PermuteArgs check_permute_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
-                                 const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
-  check_cpu(hidden, op, "hidden", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  MOELAB_CHECK(unit_inner_stride(hidden), op, "hidden", "must have unit stride along H");
-  check_cpu(ids, op, "ids", 2, {at::kInt, at::kLong}, /*contiguous=*/false);
-  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
-  MOELAB_CHECK(ids.size(0) == T, op, "ids", "must have one row per token (", T, "), got ", ids.sizes());
-  MOELAB_CHECK(K >= 1, op, "ids", "must have at least one column (top_k >= 1)");
-  MOELAB_CHECK(n_experts >= 1 && n_experts <= INT32_MAX, op, "n_experts", "must be in [1, 2^31), got ",
-               n_experts);
-  MOELAB_CHECK(n_local >= 1 && n_local <= INT32_MAX, op, "n_local_experts",
-               "must be in [1, 2^31), got ", n_local);
-  MOELAB_CHECK(align >= 1 && align <= INT32_MAX, op, "align", "must be in [1, 2^31), got ", align);
-  if (expert_map.has_value()) {
-    check_cpu(*expert_map, op, "expert_map", 1, {at::kInt}, /*contiguous=*/false);
-    MOELAB_CHECK(expert_map->size(0) == n_experts, op, "expert_map", "must have n_experts = ", n_experts,
-                 " entries, got ", expert_map->size(0));
-  } else {
-    MOELAB_CHECK(n_local == n_experts, op, "n_local_experts", "must equal n_experts = ", n_experts,
-                 " without an expert_map, got ", n_local);
-  }
-  // Positions and rows are int32 in the outputs; T*K and the capacity must fit.
-  MOELAB_CHECK(T <= INT32_MAX / K, op, "ids", "T*K must be < 2^31, got T = ", T, ", K = ", K);
-  const int64_t cap = T * K + n_local * (align - 1);  // < 2^31 + 2^62: no int64 overflow
-  MOELAB_CHECK(cap <= INT32_MAX, op, "align", "makes the capacity T*K + E_loc*(align-1) = ", cap,
-               " exceed 2^31 - 1");
-  check_numel({cap, H}, hidden.element_size(), op, "hidden");
-  return {T, H, K, n_local, cap};
+  check_is_cpu(t, kPermuteOut, arg);
+  checks::check_out_buffer(t, kPermuteOut, arg, dtype, shape);
 }
 
 void run_permute(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
@@ -158,18 +131,15 @@ void permute_out_cpu(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_
 }
 
 at::Tensor unpermute_cpu(const at::Tensor& expert_out, const at::Tensor& weights, const at::Tensor& dst_pos) {
-  check_cpu(expert_out, kUnpermute, "expert_out", 2, {at::kFloat, at::kBFloat16, at::kHalf}, false);
-  MOELAB_CHECK(unit_inner_stride(expert_out), kUnpermute, "expert_out", "must have unit stride along H");
-  check_cpu(weights, kUnpermute, "weights", 2, {at::kFloat}, /*contiguous=*/false);
-  check_cpu(dst_pos, kUnpermute, "dst_pos", 1, {at::kInt});
-  const int64_t rows = expert_out.size(0), H = expert_out.size(1), T = weights.size(0), K = weights.size(1);
-  MOELAB_CHECK(dst_pos.size(0) == T * K, kUnpermute, "dst_pos", "must have T*K = ", T * K, " entries, got ",
-               dst_pos.size(0));
+  check_is_cpu(expert_out, kUnpermute, "expert_out");
+  check_is_cpu(weights, kUnpermute, "weights");
+  check_is_cpu(dst_pos, kUnpermute, "dst_pos");
+  const checks::UnpermuteSizes u = checks::check_unpermute_args(kUnpermute, expert_out, weights, dst_pos);
+  const int64_t rows = u.rows, H = u.H, T = u.T, K = u.K;
   const int32_t* pos = dst_pos.data_ptr<int32_t>();
   for (int64_t i = 0; i < T * K; ++i)
     MOELAB_CHECK(pos[i] >= -1 && pos[i] < rows, kUnpermute, "dst_pos", "holds ", pos[i],
                  ", outside the valid range [-1, ", rows, ")");
-  check_numel({T, H}, expert_out.element_size(), kUnpermute, "expert_out");
   at::Tensor out = at::empty({T, H}, expert_out.options());
   if (T == 0 || H == 0) return out;
   auto* fn = MOELAB_PICK(unpermute_tokens);
