@@ -42,9 +42,12 @@ void check_out(const at::Tensor& t, const char* arg, at::ScalarType dtype, at::I
   checks::check_out_buffer(t, kPermuteOut, arg, dtype, shape);
 }
 
-void run(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+void run(const char* op, const at::Tensor& hidden_in, const at::Tensor& ids, int64_t n_experts,
          const std::optional<at::Tensor>& expert_map, const Sizes& s, int64_t align, const at::Tensor& offsets,
          const at::Tensor& hidden_out, const at::Tensor& src_row, const at::Tensor& dst_pos, const at::Tensor& ws) {
+  // Rows closer than H elements (a stride-0 expanded hidden, accepted as on the CPU) are
+  // copied: the launcher wants rows at least row_bytes apart.
+  const at::Tensor hidden = s.T > 1 && s.H > 0 && hidden_in.stride(0) < s.H ? hidden_in.contiguous() : hidden_in;
   const int64_t es = hidden.element_size();
   gpu::PermuteArgs a;
   a.hidden = hidden.data_ptr();
