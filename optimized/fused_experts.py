@@ -25,6 +25,7 @@ from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_
                                 WEIGHT_DTYPES, check_choice, check_float, check_fused_experts, check_ids,
                                 check_tensor, expert_weight_shapes, fail)
 
+from . import _fake
 from . import dispatch as _dispatch
 
 __all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
@@ -60,11 +61,18 @@ class PackedMoEWeights:
 @torch.library.register_fake("moelab::fused_experts")
 def _fused_experts_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I, w13_scale, w2_scale,
                         w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross):
+    _fake.check("fused_experts", ("x", x, 2), ("w13", w13, None), ("w2", w2, None),
+                ("topk_weights", topk_weights, 2), ("topk_ids", topk_ids, 2), ("w13_scale", w13_scale, None),
+                ("w2_scale", w2_scale, None), ("w13_slow", w13_slow, None), ("w2_slow", w2_slow, None),
+                ("w13_bias", w13_bias, 2), ("w2_bias", w2_bias, 2))
     return x.new_empty((x.shape[0], x.shape[1]))
 
 
 @torch.library.register_fake("moelab::prepack_moe_weight")
 def _prepack_fake(w, scale, quant):
+    _fake.check("prepack_moe_weight", ("w", w, 3), ("scale", scale, 3))
+    if quant not in QUANT_FORMATS:
+        _fake.fail("prepack_moe_weight", "quant", f"must be one of {', '.join(QUANT_FORMATS)}; got {quant!r}")
     E, N, last = w.shape
     K = 2 * last if quant == "mxfp4" else last
     n16, k2 = -(-N // 16), -(-K // 2)

@@ -30,13 +30,14 @@ import torch.nn.functional as F
 import reference.gate_gemm as _ref
 from reference.validate import SKINNY_MAX_T, check_skinny_gemm, check_unquantized_gemm
 
-from . import dispatch
+from . import _fake, dispatch
 
 __all__ = ["skinny_gemm", "unquantized_gemm", "fused_gate_gemm", "FusedGate"]
 
 
 @torch.library.register_fake("moelab::skinny_gemm")
 def _skinny_gemm_fake(x, weight, bias=None):
+    _fake.check("skinny_gemm", ("x", x, 2), ("weight", weight, 2), ("bias", bias, 1))
     torch._check(x.shape[0] <= SKINNY_MAX_T, lambda: f"moelab::skinny_gemm: argument 'x' must have T <= {SKINNY_MAX_T} rows")
     return x.new_empty((x.shape[0], weight.shape[0]))
 

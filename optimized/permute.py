@@ -28,7 +28,7 @@ from reference import validate
 from reference.permute import Permuted
 from reference.validate import capacity
 
-from . import dispatch, gpu
+from . import _fake, dispatch, gpu
 
 __all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
 
@@ -48,6 +48,14 @@ class PermuteScratch(_ref.PermuteScratch):
     between calls are unspecified; the views a call returns stay valid until the next call
     with this scratch. The buffers are fixed at construction (the per-T views are cached);
     make a new scratch rather than assigning new tensors to its attributes.
+
+    Threads (as reference.PermuteScratch): one call at a time. `permute` holds the scratch
+    (a non-blocking lock, ~0.1 us) from taking its views until the kernel has returned; a
+    concurrent call from another thread raises RuntimeError "permute: argument 'scratch' is
+    in use by another call ..." before it touches a buffer, so two threads never write one
+    scratch at once. Sequential calls from several threads work, but each call's results
+    (views) are overwritten by the next call from any thread: copy them, or give each thread
+    its own scratch.
     """
 
     def __init__(self, max_tokens: int, top_k: int, n_experts: int, hidden_size: int,
@@ -74,6 +82,9 @@ class PermuteScratch(_ref.PermuteScratch):
 
 @torch.library.register_fake("moelab::permute")
 def _permute_fake(hidden, ids, n_experts, expert_map, n_local_experts, align):
+    _fake.check("permute", ("hidden", hidden, 2), ("ids", ids, 2), ("expert_map", expert_map, 1))
+    _fake.check_positive("permute", "n_local_experts", n_local_experts)
+    _fake.check_positive("permute", "align", align)
     T, H = hidden.shape
     cap = capacity(T, ids.shape[1], n_local_experts, align)
     return (hidden.new_empty(n_local_experts + 1, dtype=torch.int64), hidden.new_empty(cap, H),
@@ -83,11 +94,16 @@ def _permute_fake(hidden, ids, n_experts, expert_map, n_local_experts, align):
 @torch.library.register_fake("moelab::permute_out")
 def _permute_out_fake(hidden, ids, n_experts, expert_map, n_local_experts, align, offsets,
                       hidden_out, src_row, dst_pos, counts):
+    # (a call with any meta argument lands here: with CPU buffers it would write nothing)
+    _fake.check("permute_out", ("hidden", hidden, 2), ("ids", ids, 2), ("expert_map", expert_map, 1),
+                ("offsets", offsets, 1), ("hidden_out", hidden_out, 2), ("src_row", src_row, 1),
+                ("dst_pos", dst_pos, 1), ("counts", counts, 1))
     return None
 
 
 @torch.library.register_fake("moelab::unpermute")
 def _unpermute_fake(expert_out, weights, dst_pos):
+    _fake.check("unpermute", ("expert_out", expert_out, 2), ("weights", weights, 2), ("dst_pos", dst_pos, 1))
     return expert_out.new_empty(weights.shape[0], expert_out.shape[1])
 
 
@@ -105,7 +121,8 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
 
     With `scratch` (an optimized.PermuteScratch) the outputs are views of its buffers and
     nothing is allocated. Raises ValueError as the reference does ("permute: argument ..."),
-    and for a scratch that is not an optimized.PermuteScratch.
+    and for a scratch that is not an optimized.PermuteScratch; RuntimeError "permute:
+    argument 'scratch' is in use by another call" while another thread's call holds it.
     """
     E_loc = validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align, ranges=False)
     if scratch is not None:
@@ -117,6 +134,8 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         return _ref.permute(hidden, ids, n_experts, expert_map=expert_map, n_local_experts=n_local_experts,
                             align=align, scratch=scratch)
     hidden = _unit_inner(hidden)
+    if scratch is not None:
+        scratch._claim("permute")   # raises if another thread's call holds it (see PermuteScratch)
     try:
         if scratch is None:
             return Permuted(*_permute_op(hidden, ids, n_experts, expert_map, E_loc, align))
@@ -127,6 +146,9 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         # The kernel found an index out of range: word it as the reference does.
         validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
         raise
+    finally:
+        if scratch is not None:
+            scratch._release()
 
 
 def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, dst_pos: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from reference.validate import check_route
 
-from . import dispatch
+from . import _fake, dispatch
 
 _op = torch.ops.moelab.route.default
 
@@ -29,6 +29,8 @@ _op = torch.ops.moelab.route.default
 @torch.library.register_fake("moelab::route")
 def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=False, n_group=1,
                 topk_group=1):
+    _fake.check("route", ("logits", logits, 2), ("bias", bias, 1))
+    _fake.check_positive("route", "top_k", top_k)
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.float32),
             logits.new_empty((T, top_k), dtype=torch.int32))

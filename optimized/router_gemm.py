@@ -7,11 +7,12 @@ import torch.nn.functional as F
 
 from reference.validate import check_router_gemm
 
-from . import dispatch
+from . import _fake, dispatch
 
 
 @torch.library.register_fake("moelab::router_gemm")
 def _router_gemm_fake(x, weight):
+    _fake.check("router_gemm", ("x", x, 2), ("weight", weight, 2))
     return x.new_empty((x.shape[0], weight.shape[0]), dtype=torch.float32)
 
 

@@ -44,6 +44,7 @@ in float32 in increasing j and rounded once to expert_out's dtype.
 """
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Optional
 
 import torch
@@ -95,6 +96,17 @@ class PermuteScratch:
     The buffers' contents between calls are unspecified: each call writes every
     element of the views it returns.
 
+    Threads: a scratch serves one call at a time. A `permute` call holds it (a
+    non-blocking lock) while it writes the buffers; a second call that finds it held,
+    from another thread, raises RuntimeError "permute: argument 'scratch' is in use by
+    another call ..." instead of writing into buffers the first call is filling.
+    Sequential calls from any threads work; but since the results are views of the
+    buffers, each call's results are overwritten by the next call from ANY thread: a
+    thread that needs its results after another thread may have used the scratch must
+    copy them first, or use a scratch of its own (the usual design: one per thread or
+    per stream). On a GPU the lock covers the launch only: calls on different streams
+    must also be ordered on the device by the caller.
+
     Raises:
         ValueError: "PermuteScratch: argument '<name>' ..." for a bad argument.
     """
@@ -134,6 +146,17 @@ class PermuteScratch:
         # The allocated tensor's device, so "cuda" becomes "cuda:<current>" and compares
         # equal to the device of the tensors a call passes in.
         self.device = self.hidden.device
+        self._busy = threading.Lock()   # held by the call writing the buffers (see Threads)
+
+    def _claim(self, op: str = "permute") -> None:
+        """Take the scratch for one call, or raise if another call (thread) holds it.
+        The caller releases it with `_release()` in a finally block."""
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"{op}: argument 'scratch' is in use by another call (a PermuteScratch serves "
+                               "one call at a time; give each thread its own scratch, or serialize the calls)")
+
+    def _release(self) -> None:
+        self._busy.release()
 
     def __repr__(self) -> str:
         return (f"PermuteScratch(max_tokens={self.max_tokens}, top_k={self.top_k}, "
@@ -174,6 +197,8 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         ValueError: "permute: argument '<name>' ..." for a bad input (see
             validate.check_permute), or argument 'scratch' when the scratch is not a
             PermuteScratch or does not fit this call (validate.check_scratch_fits).
+        RuntimeError: "permute: argument 'scratch' is in use by another call ..." when
+            another thread's call is writing the same scratch (see PermuteScratch).
     """
     E_loc = validate.check_permute(hidden, ids, n_experts, expert_map, n_local_experts, align)
     if scratch is not None:
@@ -213,24 +238,30 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
     expert_of = key[rows]
     pos = offsets[expert_of] + (torch.arange(n_kept, device=dev) - first_kept[expert_of])
 
-    # 4. The outputs: fresh, or the scratch's storage. Every element is written.
+    # 4. The outputs: fresh, or the scratch's storage. Every element is written. A scratch
+    #    is held by this call while it is written (one call at a time: see PermuteScratch).
     if scratch is None:
         out_offsets = torch.empty(E_loc + 1, dtype=torch.int64, device=dev)
         out_hidden = torch.empty(cap, H, dtype=hidden.dtype, device=dev)
         out_src = torch.empty(cap, dtype=torch.int32, device=dev)
         out_dst = torch.empty(R, dtype=torch.int32, device=dev)
     else:
+        scratch._claim("permute")
         out_offsets = scratch.offsets
         out_hidden = scratch.hidden[:cap]
         out_src = scratch.src_row[:cap]
         out_dst = scratch.dst_pos[:R]
-    out_offsets.copy_(offsets)
-    out_hidden.zero_()
-    out_hidden[pos] = hidden[rows // K]
-    out_src.fill_(-1)
-    out_src[pos] = rows.to(torch.int32)
-    out_dst.fill_(-1)
-    out_dst[rows] = pos.to(torch.int32)
+    try:
+        out_offsets.copy_(offsets)
+        out_hidden.zero_()
+        out_hidden[pos] = hidden[rows // K]
+        out_src.fill_(-1)
+        out_src[pos] = rows.to(torch.int32)
+        out_dst.fill_(-1)
+        out_dst[rows] = pos.to(torch.int32)
+    finally:
+        if scratch is not None:
+            scratch._release()
     return Permuted(out_offsets, out_hidden, out_src, out_dst)
 
 

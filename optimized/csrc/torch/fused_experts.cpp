@@ -157,11 +157,12 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   MOELAB_CHECK(H >= 1, kOp, "x", "must have H >= 1 columns");
   const int q = quant_code(quant, kOp);
   MOELAB_CHECK(E >= 1 && E <= (int64_t(1) << 20), kOp, "E", "must be in [1, 2^20], got ", E);
-  MOELAB_CHECK(I >= 1 && I <= (int64_t(1) << 24) && H <= (int64_t(1) << 24), kOp, "I",
-               "must be in [1, 2^24] (and H too), got I = ", I, ", H = ", H);
-  if (q == fe::kMXFP4)
-    MOELAB_CHECK(H % fe::kMxBlock == 0 && I % fe::kMxBlock == 0, kOp, "I",
-                 "mxfp4 needs H and I to be multiples of 32, got H = ", H, ", I = ", I);
+  MOELAB_CHECK(H <= (int64_t(1) << 24), kOp, "x", "must have H <= 2^24 columns, got H = ", H);
+  MOELAB_CHECK(I >= 1 && I <= (int64_t(1) << 24), kOp, "I", "must be in [1, 2^24], got I = ", I);
+  if (q == fe::kMXFP4) {
+    MOELAB_CHECK(H % fe::kMxBlock == 0, kOp, "x", "must have H a multiple of 32 for mxfp4, got H = ", H);
+    MOELAB_CHECK(I % fe::kMxBlock == 0, kOp, "I", "must be a multiple of 32 for mxfp4, got I = ", I);
+  }
   const int64_t N1 = 2 * I, K1 = H, N2 = H, K2 = I;
   check_weight(w13, q, packed, E, N1, K1, "w13");
   check_weight(w2, q, packed, E, N2, K2, "w2");
@@ -183,6 +184,8 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   if (activation == "swiglu_oai") act = 1;
   else MOELAB_CHECK(activation == "silu", kOp, "activation", "must be silu or swiglu_oai, got '",
                     std::string(activation), "'");
+  check_finite(alpha, kOp, "alpha");
+  check_finite(limit, kOp, "limit");
   MOELAB_CHECK(policy >= cpu::kFeAllTiny && policy <= cpu::kFePerBlock, kOp, "policy",
                "must be 0 (tiny), 1 (blocked) or 2 (per block), got ", policy);
 

@@ -8,14 +8,14 @@
 
 namespace moelab {
 
+void check_is_cpu(const at::Tensor& t, const char* op, const char* arg) {
+  MOELAB_CHECK(t.device().is_cpu(), op, arg, "must be a CPU tensor, got ", t.device());
+}
+
 void check_cpu(const at::Tensor& t, const char* op, const char* arg, int64_t ndim,
                std::initializer_list<at::ScalarType> dtypes, bool contiguous) {
-  MOELAB_CHECK(t.device().is_cpu(), op, arg, "must be a CPU tensor, got ", t.device());
-  MOELAB_CHECK(ndim < 0 || t.dim() == ndim, op, arg, "must be ", ndim, "-D, got ", t.dim(), "-D");
-  bool ok = false;
-  for (auto d : dtypes) ok = ok || t.scalar_type() == d;
-  MOELAB_CHECK(ok, op, arg, "has unsupported dtype ", t.scalar_type());
-  MOELAB_CHECK(!contiguous || t.is_contiguous(), op, arg, "must be contiguous");
+  check_is_cpu(t, op, arg);
+  check_tensor(t, op, arg, ndim, dtypes, contiguous);
 }
 
 void check_range(const at::Tensor& t, const char* op, const char* arg, int64_t lo, int64_t hi) {

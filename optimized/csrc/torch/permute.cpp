@@ -20,6 +20,7 @@ namespace moelab {
 namespace {
 
 constexpr const char* kPermute = "permute";
+constexpr const char* kPermuteOut = "permute_out";   // same checks, its own name in messages
 constexpr const char* kUnpermute = "unpermute";
 // Work per at::parallel_for task. Waking the second thread costs a few us, about what
 // copying 256 KB from L2 costs, so decode-sized calls stay on one thread (measured here: at
@@ -45,50 +46,24 @@ void advise_huge_pages(const at::Tensor& t) {
 #endif
 }
 
+using PermuteArgs = checks::PermuteSizes;
 
-// Rows of a 2-D tensor are copied/read as contiguous runs of H elements.
-bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }
+// The device of every tensor argument, then the shared checks (csrc/torch/checks.h).
+PermuteArgs check_permute_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                                 const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
+  check_is_cpu(hidden, op, "hidden");
+  check_is_cpu(ids, op, "ids");
+  if (expert_map.has_value()) check_is_cpu(*expert_map, op, "expert_map");
+  return checks::check_permute_args(op, hidden, ids, n_experts, expert_map, n_local, align);
+}
 
 // Every scratch/out buffer: CPU, the dtype, exactly the shape, contiguous.
 void check_out(const at::Tensor& t, const char* arg, at::ScalarType dtype, at::IntArrayRef shape) {
-  check_cpu(t, kPermute, arg, int64_t(shape.size()), {dtype});
-  MOELAB_CHECK(t.sizes() == shape, kPermute, arg, "must have shape ", shape, ", got ", t.sizes());
+  check_is_cpu(t, kPermuteOut, arg);
+  checks::check_out_buffer(t, kPermuteOut, arg, dtype, shape);
 }
 
-struct PermuteArgs {
-  int64_t T, H, K, E_loc, cap;
-};
-
-PermuteArgs check_permute_inputs(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
-                                 const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
-  check_cpu(hidden, kPermute, "hidden", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  MOELAB_CHECK(unit_inner_stride(hidden), kPermute, "hidden", "must have unit stride along H");
-  check_cpu(ids, kPermute, "ids", 2, {at::kInt, at::kLong}, /*contiguous=*/false);
-  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
-  MOELAB_CHECK(ids.size(0) == T, kPermute, "ids", "must have one row per token (", T, "), got ", ids.sizes());
-  MOELAB_CHECK(K >= 1, kPermute, "ids", "must have at least one column (top_k >= 1)");
-  MOELAB_CHECK(n_experts >= 1 && n_experts <= INT32_MAX, kPermute, "n_experts", "must be in [1, 2^31), got ",
-               n_experts);
-  MOELAB_CHECK(n_local >= 1 && n_local <= INT32_MAX, kPermute, "n_local_experts",
-               "must be in [1, 2^31), got ", n_local);
-  MOELAB_CHECK(align >= 1 && align <= INT32_MAX, kPermute, "align", "must be in [1, 2^31), got ", align);
-  if (expert_map.has_value()) {
-    check_cpu(*expert_map, kPermute, "expert_map", 1, {at::kInt}, /*contiguous=*/false);
-    MOELAB_CHECK(expert_map->size(0) == n_experts, kPermute, "expert_map", "must have n_experts = ", n_experts,
-                 " entries, got ", expert_map->size(0));
-  } else {
-    MOELAB_CHECK(n_local == n_experts, kPermute, "n_local_experts", "must equal n_experts = ", n_experts,
-                 " without an expert_map, got ", n_local);
-  }
-  // Positions and rows are int32 in the outputs; T*K and the capacity must fit.
-  MOELAB_CHECK(T <= INT32_MAX / K, kPermute, "ids", "T*K must be < 2^31, got T = ", T, ", K = ", K);
-  const int64_t cap = T * K + n_local * (align - 1);  // < 2^31 + 2^62: no int64 overflow
-  MOELAB_CHECK(cap <= INT32_MAX, kPermute, "align", "makes the capacity T*K + E_loc*(align-1) = ", cap,
-               " exceed 2^31 - 1");
-  return {T, H, K, n_local, cap};
-}
-
-void run_permute(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+void run_permute(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
                  const std::optional<at::Tensor>& expert_map, const PermuteArgs& a, int64_t align,
                  const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
                  const at::Tensor& dst_pos, int64_t* counts) {
@@ -99,12 +74,14 @@ void run_permute(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_expe
       ids.data_ptr(), ids.scalar_type() == at::kLong, a.T, a.K, ids.stride(0), ids.stride(1), map, map_stride,
       n_experts, a.E_loc, align, counts, offsets.data_ptr<int64_t>(),
       src_row.data_ptr<int32_t>(), a.cap, dst_pos.data_ptr<int32_t>(), &bad);
-  MOELAB_CHECK(status != cpu::kPermuteBadId, kPermute, "ids", "holds ", bad, ", outside the valid range [-1, ",
+  MOELAB_CHECK(status != cpu::kPermuteBadId, op, "ids", "holds ", bad, ", outside the valid range [-1, ",
                n_experts, ")");
-  MOELAB_CHECK(status != cpu::kPermuteBadMap, kPermute, "expert_map", "holds ", bad,
+  MOELAB_CHECK(status != cpu::kPermuteBadMap, op, "expert_map", "holds ", bad,
                ", outside the valid range [-1, ", a.E_loc, ")");
-  TORCH_CHECK(status == cpu::kPermuteOk, "moelab::permute: inconsistent ids between passes (status ", status,
-              "); are an input and an output sharing memory?");
+  // Only reachable if ids change between the plan's two passes (another thread writing them):
+  // the plan then stops before writing out of bounds.
+  MOELAB_CHECK(status == cpu::kPermuteOk, op, "ids", "differed between the two passes over them (written by "
+               "another thread during the call?); status ", status);
   if (a.cap == 0 || a.H == 0) return;
   const int64_t es = hidden.element_size(), row_bytes = a.H * es;
   const void* in = hidden.data_ptr();
@@ -118,35 +95,10 @@ void run_permute(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_expe
   });
 }
 
-// The no-overlap rule of the out= path: an output may not share memory with an input or
-// another output (the kernel reads ids twice and uses counts/offsets as cursors). Checked on
-// the byte spans [first, last] each tensor can touch: a few integer compares, conservative
-// for interleaved strided views (which no PermuteScratch produces).
-struct Span {
-  const char* name;
-  uintptr_t lo, hi;  // hi exclusive; lo == hi for an empty tensor
-};
-Span span_of(const at::Tensor& t, const char* name) {
-  if (!t.defined() || t.numel() == 0) return {name, 0, 0};
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {name, lo, lo + uintptr_t((last + 1) * t.element_size())};
-}
-void check_disjoint(std::initializer_list<Span> ins, std::initializer_list<Span> outs) {
-  auto meet = [](const Span& a, const Span& b) { return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi; };
-  for (auto o = outs.begin(); o != outs.end(); ++o) {
-    for (const Span& i : ins)
-      MOELAB_CHECK(!meet(*o, i), kPermute, o->name, "must not share memory with input '", i.name, "'");
-    for (auto o2 = o + 1; o2 != outs.end(); ++o2)
-      MOELAB_CHECK(!meet(*o, *o2), kPermute, o->name, "must not share memory with output '", o2->name, "'");
-  }
-}
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cpu(
     const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts, const std::optional<at::Tensor>& expert_map,
     int64_t n_local_experts, int64_t align) {
-  const PermuteArgs a = check_permute_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  const PermuteArgs a = check_permute_inputs(kPermute, hidden, ids, n_experts, expert_map, n_local_experts, align);
   const auto i64 = hidden.options().dtype(at::kLong), i32 = hidden.options().dtype(at::kInt);
   at::Tensor offsets = at::empty({a.E_loc + 1}, i64);
   at::Tensor hidden_out = at::empty({a.cap, a.H}, hidden.options());
@@ -154,7 +106,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cpu(
   at::Tensor src_row = at::empty({a.cap}, i32);
   at::Tensor dst_pos = at::empty({a.T * a.K}, i32);
   std::vector<int64_t> counts(size_t(a.E_loc));  // workspace (the scratch path brings its own)
-  run_permute(hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos, counts.data());
+  run_permute(kPermute, hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos,
+              counts.data());
   return {offsets, hidden_out, src_row, dst_pos};
 }
 
@@ -162,7 +115,7 @@ void permute_out_cpu(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_
                      const std::optional<at::Tensor>& expert_map, int64_t n_local_experts, int64_t align,
                      const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
                      const at::Tensor& dst_pos, const at::Tensor& counts) {
-  const PermuteArgs a = check_permute_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  const PermuteArgs a = check_permute_inputs(kPermuteOut, hidden, ids, n_experts, expert_map, n_local_experts, align);
   check_out(offsets, "offsets", at::kLong, {a.E_loc + 1});
   check_out(hidden_out, "hidden_out", hidden.scalar_type(), {a.cap, a.H});
   check_out(src_row, "src_row", at::kInt, {a.cap});
@@ -171,19 +124,18 @@ void permute_out_cpu(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_
   check_disjoint({span_of(hidden, "hidden"), span_of(ids, "ids"),
                   span_of(expert_map.has_value() ? *expert_map : at::Tensor(), "expert_map")},
                  {span_of(offsets, "offsets"), span_of(hidden_out, "hidden_out"), span_of(src_row, "src_row"),
-                  span_of(dst_pos, "dst_pos"), span_of(counts, "counts")});
-  run_permute(hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos,
+                  span_of(dst_pos, "dst_pos"), span_of(counts, "counts")},
+                 kPermuteOut);
+  run_permute(kPermuteOut, hidden, ids, n_experts, expert_map, a, align, offsets, hidden_out, src_row, dst_pos,
               counts.data_ptr<int64_t>());
 }
 
 at::Tensor unpermute_cpu(const at::Tensor& expert_out, const at::Tensor& weights, const at::Tensor& dst_pos) {
-  check_cpu(expert_out, kUnpermute, "expert_out", 2, {at::kFloat, at::kBFloat16, at::kHalf}, false);
-  MOELAB_CHECK(unit_inner_stride(expert_out), kUnpermute, "expert_out", "must have unit stride along H");
-  check_cpu(weights, kUnpermute, "weights", 2, {at::kFloat}, /*contiguous=*/false);
-  check_cpu(dst_pos, kUnpermute, "dst_pos", 1, {at::kInt});
-  const int64_t rows = expert_out.size(0), H = expert_out.size(1), T = weights.size(0), K = weights.size(1);
-  MOELAB_CHECK(dst_pos.size(0) == T * K, kUnpermute, "dst_pos", "must have T*K = ", T * K, " entries, got ",
-               dst_pos.size(0));
+  check_is_cpu(expert_out, kUnpermute, "expert_out");
+  check_is_cpu(weights, kUnpermute, "weights");
+  check_is_cpu(dst_pos, kUnpermute, "dst_pos");
+  const checks::UnpermuteSizes u = checks::check_unpermute_args(kUnpermute, expert_out, weights, dst_pos);
+  const int64_t rows = u.rows, H = u.H, T = u.T, K = u.K;
   const int32_t* pos = dst_pos.data_ptr<int32_t>();
   for (int64_t i = 0; i < T * K; ++i)
     MOELAB_CHECK(pos[i] >= -1 && pos[i] < rows, kUnpermute, "dst_pos", "holds ", pos[i],
@@ -203,6 +155,35 @@ at::Tensor unpermute_cpu(const at::Tensor& expert_out, const at::Tensor& weights
   return out;
 }
 
+// permute_out for tensors with the negative bit (torch._neg_view, and views of such tensors).
+// torch's generic Negative fallback (ATen's MathBitsFallback) mishandles an op whose mutable
+// arguments are not returned: an internal assert, after which the process crashed on the
+// next call. So permute_out has its own Negative kernel: an output with the negative bit is
+// refused (the kernel writes raw bits; negating afterwards is not what the caller asked
+// for), an input with it is materialized, then the call goes on to the backend kernel.
+// Registered for the Negative key, so any backend (CPU, CUDA, meta) passes through it.
+void permute_out_negative(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+                          const std::optional<at::Tensor>& expert_map, int64_t n_local_experts, int64_t align,
+                          const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
+                          const at::Tensor& dst_pos, const at::Tensor& counts) {
+  const std::pair<const at::Tensor*, const char*> outs[] = {
+      {&offsets, "offsets"}, {&hidden_out, "hidden_out"}, {&src_row, "src_row"}, {&dst_pos, "dst_pos"},
+      {&counts, "counts"}};
+  for (const auto& [t, name] : outs)
+    MOELAB_CHECK(!t->is_neg(), kPermuteOut, name, "must not be a negative view (torch._neg_view): the op "
+                 "writes its buffers as they are");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("moelab::permute_out", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, int64_t, const std::optional<at::Tensor>&,
+                                   int64_t, int64_t, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const at::Tensor&, const at::Tensor&)>();
+  c10::impl::ExcludeDispatchKeyGuard no_neg(c10::DispatchKey::Negative);
+  std::optional<at::Tensor> map;
+  if (expert_map.has_value()) map = expert_map->resolve_neg();
+  op.call(hidden.resolve_neg(), ids.resolve_neg(), n_experts, map, n_local_experts, align, offsets, hidden_out,
+          src_row, dst_pos, counts);
+}
+
 const int kRegistered = register_op_level(kPermute, cpu::Isa::kAvx512) + register_op_level(kUnpermute, cpu::Isa::kAvx512);
 
 }  // namespace
@@ -216,6 +197,7 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
         "Tensor(e!) counts) -> ()");
   m.def("unpermute(Tensor expert_out, Tensor weights, Tensor dst_pos) -> Tensor");
 }
+TORCH_LIBRARY_IMPL(moelab, Negative, m) { m.impl("permute_out", &moelab::permute_out_negative); }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) {
   m.impl("permute", &moelab::permute_cpu);
   m.impl("permute_out", &moelab::permute_out_cpu);

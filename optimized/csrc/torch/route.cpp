@@ -19,16 +19,13 @@ namespace {
 constexpr const char* kOp = "route";
 using cpu::RouteMethod;
 
-int method_code(const std::string& m) {
-  static const char* names[] = {"softmax_topk", "topk_softmax", "sigmoid_topk",
-                                "sigmoid_bias", "grouped_sigmoid_bias", "llama4"};
-  for (int i = 0; i < 6; ++i)
-    if (m == names[i]) return i;
-  MOELAB_CHECK(false, kOp, "method", "must be one of softmax_topk, topk_softmax, sigmoid_topk, "
-               "sigmoid_bias, grouped_sigmoid_bias, llama4; got '", m, "'");
-  return -1;
-}
-
+static_assert(cpu::kRouteMaxExperts == checks::kRouteMaxExperts && cpu::kRouteMaxTopK == checks::kRouteMaxTopK &&
+                  cpu::kRouteMaxGroups == checks::kRouteMaxGroups,
+              "the kernel's limits are the contract's (csrc/torch/checks.h)");
+static_assert(int(cpu::kSoftmaxTopk) == checks::kSoftmaxTopk && int(cpu::kTopkSoftmax) == checks::kTopkSoftmax &&
+                  int(cpu::kSigmoidTopk) == checks::kSigmoidTopk && int(cpu::kSigmoidBias) == checks::kSigmoidBias &&
+                  int(cpu::kGroupedSigmoidBias) == checks::kGroupedSigmoidBias && int(cpu::kLlama4) == checks::kLlama4,
+              "method codes");
 
 // Tokens per parallel task: ~16K expert keys (~8 us), so the thread pool's fork/join is
 // amortized; fewer tokens run on the calling thread. The policy and its reasons live in
@@ -41,50 +38,21 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
                                              const std::string& method,
                                              const std::optional<at::Tensor>& bias_in, double scaling,
                                              bool renormalize, int64_t n_group, int64_t topk_group) {
-  check_cpu(logits_in, kOp, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
+  check_is_cpu(logits_in, kOp, "logits");
+  if (bias_in.has_value()) check_is_cpu(*bias_in, kOp, "bias");
+  // Every check comes before the copies below (a stride-0 expanded tensor may have any size).
+  const checks::RouteSizes r =
+      checks::check_route_args(kOp, logits_in, top_k, method, bias_in, scaling, renormalize, n_group, topk_group);
+  const int64_t T = r.T, E = r.E;
+  const int m = r.method;
+  const bool biased = r.biased;
+
   // Rows may be apart by any stride (a column slice of a wider matrix is read in place);
   // only a non-unit stride along E costs a contiguous copy.
   const at::Tensor logits =
-      logits_in.size(0) > 0 && logits_in.size(1) > 1 && logits_in.stride(1) != 1 ? logits_in.contiguous() : logits_in;
-  const int64_t T = logits.size(0), E = logits.size(1);
-  MOELAB_CHECK(E >= 1 && E <= cpu::kRouteMaxExperts, kOp, "logits", "must have 1 <= E <= ",
-               cpu::kRouteMaxExperts, " columns (experts), got E = ", E);
-  const int m = method_code(method);
-  MOELAB_CHECK(top_k >= 1 && top_k <= std::min<int64_t>(E, cpu::kRouteMaxTopK), kOp, "top_k",
-               "must satisfy 1 <= top_k <= min(E, ", cpu::kRouteMaxTopK, ") = ",
-               std::min<int64_t>(E, cpu::kRouteMaxTopK), ", got ", top_k);
-  MOELAB_CHECK(m != cpu::kLlama4 || top_k == 1, kOp, "top_k", "must be 1 for method 'llama4', got ", top_k);
-  const bool biased = m == cpu::kSigmoidBias || m == cpu::kGroupedSigmoidBias;
+      T > 0 && E > 1 && logits_in.stride(1) != 1 ? logits_in.contiguous() : logits_in;
   std::optional<at::Tensor> bias;
-  if (bias_in.has_value()) bias = bias_in->contiguous();
-  if (biased) {
-    MOELAB_CHECK(bias.has_value(), kOp, "bias", "is required by method '", method, "'");
-    check_cpu(*bias, kOp, "bias", 1, {at::kFloat, at::kBFloat16});
-    MOELAB_CHECK(bias->size(0) == E, kOp, "bias", "must have shape (", E, "), got ", bias->sizes());
-  } else {
-    MOELAB_CHECK(!bias.has_value(), kOp, "bias", "is only used by sigmoid_bias, grouped_sigmoid_bias");
-  }
-  if (m == cpu::kGroupedSigmoidBias) {
-    MOELAB_CHECK(E <= 1024, kOp, "logits", "must have E <= 1024 for grouped routing, got E = ", E);
-    MOELAB_CHECK(n_group >= 1 && n_group <= cpu::kRouteMaxGroups, kOp, "n_group",
-                 "must satisfy 1 <= n_group <= ", cpu::kRouteMaxGroups, ", got ", n_group);
-    MOELAB_CHECK(E % n_group == 0 && E / n_group >= 2, kOp, "n_group",
-                 "must divide E = ", E, " into groups of at least 2 experts, got ", n_group);
-    MOELAB_CHECK(topk_group >= 1 && topk_group <= n_group, kOp, "topk_group",
-                 "must satisfy 1 <= topk_group <= n_group = ", n_group, ", got ", topk_group);
-    MOELAB_CHECK(top_k <= topk_group * (E / n_group), kOp, "top_k",
-                 "must be <= topk_group * E / n_group = ", topk_group * (E / n_group), ", got ", top_k);
-  } else {
-    MOELAB_CHECK(n_group == 1, kOp, "n_group", "only applies to method 'grouped_sigmoid_bias', got ", n_group);
-    MOELAB_CHECK(topk_group == 1, kOp, "topk_group",
-                 "only applies to method 'grouped_sigmoid_bias', got ", topk_group);
-  }
-  MOELAB_CHECK(std::isfinite(scaling), kOp, "scaling", "must be finite, got ", scaling);
-  MOELAB_CHECK(biased || scaling == 1.0, kOp, "scaling",
-               "only applies to sigmoid_bias, grouped_sigmoid_bias; must be 1.0, got ", scaling);
-  MOELAB_CHECK(!renormalize || m == cpu::kSoftmaxTopk || m == cpu::kTopkSoftmax || m == cpu::kSigmoidTopk,
-               kOp, "renormalize", "only applies to softmax_topk, topk_softmax, sigmoid_topk");
-
+  if (biased) bias = bias_in->contiguous();
   auto opts = logits.options();
   at::Tensor weights = at::empty({T, top_k}, opts.dtype(at::kFloat));
   at::Tensor ids = at::empty({T, top_k}, opts.dtype(at::kInt));

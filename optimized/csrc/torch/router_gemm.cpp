@@ -8,13 +8,10 @@ constexpr const char* kOp = "router_gemm";
 
 
 at::Tensor router_gemm_cpu(const at::Tensor& x, const at::Tensor& weight) {
-  check_cpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  MOELAB_CHECK(x.size(0) == 0 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
-  check_cpu(weight, kOp, "weight", 2, {at::kFloat});
-  const int64_t T = x.size(0), H = x.size(1), E = weight.size(0);
-  MOELAB_CHECK(H >= 1 && weight.size(1) == H, kOp, "weight", "must have shape (E, ", H, "), got ",
-               weight.sizes());
-  MOELAB_CHECK(E >= 1, kOp, "weight", "must have E >= 1 rows");
+  check_is_cpu(x, kOp, "x");
+  check_is_cpu(weight, kOp, "weight");
+  const checks::GemmSizes g = checks::check_router_gemm_args(kOp, x, weight);
+  const int64_t T = g.T, H = g.K, E = g.N;
   at::Tensor out = at::empty({T, E}, x.options().dtype(at::kFloat));
   if (T == 0) return out;
   auto* fn = MOELAB_PICK(router_gemm_experts);

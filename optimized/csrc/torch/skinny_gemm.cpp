@@ -14,31 +14,18 @@ namespace moelab {
 namespace {
 
 constexpr const char* kOp = "skinny_gemm";
-constexpr int64_t kMaxT = 8;
 constexpr int64_t kRowsPerBlock = 4;         // the kernel's row tile
 constexpr int64_t kMinBytesPerTask = 128 << 10;  // less weight per thread: fewer threads
 
 
 at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
                            const std::optional<at::Tensor>& bias) {
-  check_cpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  const int64_t T = x.size(0), K = x.size(1);
-  MOELAB_CHECK(T <= kMaxT, kOp, "x", "must have T <= ", kMaxT, " rows, got T = ", T);
-  MOELAB_CHECK(K >= 1, kOp, "x", "must have K >= 1 columns");
-  MOELAB_CHECK(T == 0 || K == 1 || x.stride(1) == 1, kOp, "x", "must have unit stride along K, got strides ",
-               x.strides());
-  check_cpu(weight, kOp, "weight", 2, {x.scalar_type()}, /*contiguous=*/false);
-  const int64_t N = weight.size(0);
-  MOELAB_CHECK(weight.size(1) == K, kOp, "weight", "must have shape (N, ", K, "), got ", weight.sizes());
-  MOELAB_CHECK(N >= 1, kOp, "weight", "must have N >= 1 rows");
-  MOELAB_CHECK(K == 1 || weight.stride(1) == 1, kOp, "weight", "must have unit stride along K, got strides ",
-               weight.strides());
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = *bias;
-    check_cpu(b, kOp, "bias", 1, {x.scalar_type()});
-    MOELAB_CHECK(b.size(0) == N, kOp, "bias", "must have shape (", N, "), got ", b.sizes());
-  }
+  check_is_cpu(x, kOp, "x");
+  check_is_cpu(weight, kOp, "weight");
+  if (bias.has_value()) check_is_cpu(*bias, kOp, "bias");
+  const checks::GemmSizes g = checks::check_skinny_gemm_args(kOp, x, weight, bias);
+  const int64_t T = g.T, K = g.K, N = g.N;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   at::Tensor out = at::empty({T, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0) return out;
   auto* fn = MOELAB_PICK(skinny_gemm_rows);

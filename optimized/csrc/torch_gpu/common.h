@@ -16,11 +16,25 @@
 #include <torch/library.h>
 
 #include "../gpu/launch.h"
-
-#define MOELAB_CHECK(cond, op, arg, ...) \
-  TORCH_CHECK((cond), "moelab::", op, ": argument '", arg, "' ", __VA_ARGS__)
+#include "../torch/checks.h"   // the device-independent argument checks, shared with the CPU bindings
 
 namespace moelab::gpu_binding {
+
+using checks::check_disjoint;
+using checks::check_numel;
+using checks::check_tensor;
+using checks::span_of;
+using checks::Span;
+
+static_assert(gpu::kRouteMaxExperts == checks::kRouteMaxExperts && gpu::kRouteMaxTopK == checks::kRouteMaxTopK &&
+                  gpu::kRouteMaxGroups == checks::kRouteMaxGroups &&
+                  gpu::kRouteMaxGroupedExperts == checks::kRouteMaxGroupedExperts &&
+                  gpu::kSkinnyMaxT == checks::kSkinnyMaxT,
+              "the kernels' limits are the contract's (csrc/torch/checks.h)");
+static_assert(int(gpu::kSoftmaxTopk) == checks::kSoftmaxTopk && int(gpu::kTopkSoftmax) == checks::kTopkSoftmax &&
+                  int(gpu::kSigmoidTopk) == checks::kSigmoidTopk && int(gpu::kSigmoidBias) == checks::kSigmoidBias &&
+                  int(gpu::kGroupedSigmoidBias) == checks::kGroupedSigmoidBias && int(gpu::kLlama4) == checks::kLlama4,
+              "method codes");
 
 inline gpu::Stream current_stream() { return c10::cuda::getCurrentCUDAStream().stream(); }
 
@@ -40,18 +54,19 @@ inline bool sync_checks() {
   return on && !capturing();
 }
 
-// Rank, dtype, device (the same GPU as `like`, when given) and optionally contiguity.
-inline void check_gpu(const at::Tensor& t, const char* op, const char* arg, int64_t ndim,
-                      std::initializer_list<at::ScalarType> dtypes, bool contiguous = true,
-                      const at::Tensor* like = nullptr) {
+// The device: a GPU tensor, on the same GPU as `like` when given.
+inline void check_is_gpu(const at::Tensor& t, const char* op, const char* arg, const at::Tensor* like = nullptr) {
   MOELAB_CHECK(t.is_cuda(), op, arg, "must be a CUDA/ROCm tensor, got ", t.device());
   if (like != nullptr)
     MOELAB_CHECK(t.device() == like->device(), op, arg, "must be on ", like->device(), ", got ", t.device());
-  MOELAB_CHECK(ndim < 0 || t.dim() == ndim, op, arg, "must be ", ndim, "-D, got ", t.dim(), "-D");
-  bool ok = false;
-  for (auto d : dtypes) ok = ok || t.scalar_type() == d;
-  MOELAB_CHECK(ok, op, arg, "has unsupported dtype ", t.scalar_type());
-  MOELAB_CHECK(!contiguous || t.is_contiguous(), op, arg, "must be contiguous");
+}
+
+// The device, then rank, dtype and optionally contiguity (checks::check_tensor).
+inline void check_gpu(const at::Tensor& t, const char* op, const char* arg, int64_t ndim,
+                      std::initializer_list<at::ScalarType> dtypes, bool contiguous = true,
+                      const at::Tensor* like = nullptr) {
+  check_is_gpu(t, op, arg, like);
+  check_tensor(t, op, arg, ndim, dtypes, contiguous);
 }
 
 inline Fmt fmt_of(const at::Tensor& t) {

@@ -1,6 +1,6 @@
 // CUDA/ROCm implementations of moelab::permute, permute_out and unpermute (schemas in
-// csrc/torch/permute.cpp): the same argument checks as the CPU bindings, then the launchers
-// of csrc/gpu/permute.cu.
+// csrc/torch/permute.cpp): the argument checks shared with the CPU bindings (csrc/torch/checks.h),
+// then the launchers of csrc/gpu/permute.cu.
 //
 // Workspace. The GPU counting sort keeps one expert histogram per unit of rows:
 // gpu::permute_workspace_words(T*K, E_loc) int32 words. permute allocates it from torch's
@@ -22,73 +22,32 @@ namespace moelab::gpu_binding {
 namespace {
 
 constexpr const char* kPermute = "permute";
+constexpr const char* kPermuteOut = "permute_out";   // same checks, its own name in messages
 constexpr const char* kUnpermute = "unpermute";
 
-bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }
+using Sizes = checks::PermuteSizes;
 
-struct Sizes {
-  int64_t T, H, K, E_loc, cap;
-};
-
-Sizes check_inputs(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+// The device of every tensor argument (all on hidden's GPU), then the shared checks.
+Sizes check_inputs(const char* op, const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
                    const std::optional<at::Tensor>& expert_map, int64_t n_local, int64_t align) {
-  check_gpu(hidden, kPermute, "hidden", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  MOELAB_CHECK(unit_inner_stride(hidden), kPermute, "hidden", "must have unit stride along H");
-  check_gpu(ids, kPermute, "ids", 2, {at::kInt, at::kLong}, /*contiguous=*/false, &hidden);
-  const int64_t T = hidden.size(0), H = hidden.size(1), K = ids.size(1);
-  MOELAB_CHECK(ids.size(0) == T, kPermute, "ids", "must have one row per token (", T, "), got ", ids.sizes());
-  MOELAB_CHECK(K >= 1, kPermute, "ids", "must have at least one column (top_k >= 1)");
-  MOELAB_CHECK(n_experts >= 1 && n_experts <= INT32_MAX, kPermute, "n_experts", "must be in [1, 2^31), got ",
-               n_experts);
-  MOELAB_CHECK(n_local >= 1 && n_local <= INT32_MAX, kPermute, "n_local_experts", "must be in [1, 2^31), got ",
-               n_local);
-  MOELAB_CHECK(align >= 1 && align <= INT32_MAX, kPermute, "align", "must be in [1, 2^31), got ", align);
-  if (expert_map.has_value()) {
-    check_gpu(*expert_map, kPermute, "expert_map", 1, {at::kInt}, /*contiguous=*/false, &hidden);
-    MOELAB_CHECK(expert_map->size(0) == n_experts, kPermute, "expert_map", "must have n_experts = ", n_experts,
-                 " entries, got ", expert_map->size(0));
-  } else {
-    MOELAB_CHECK(n_local == n_experts, kPermute, "n_local_experts", "must equal n_experts = ", n_experts,
-                 " without an expert_map, got ", n_local);
-  }
-  MOELAB_CHECK(T <= INT32_MAX / K, kPermute, "ids", "T*K must be < 2^31, got T = ", T, ", K = ", K);
-  const int64_t cap = T * K + n_local * (align - 1);
-  MOELAB_CHECK(cap <= INT32_MAX, kPermute, "align", "makes the capacity T*K + E_loc*(align-1) = ", cap,
-               " exceed 2^31 - 1");
-  return {T, H, K, n_local, cap};
+  check_is_gpu(hidden, op, "hidden");
+  check_is_gpu(ids, op, "ids", &hidden);
+  if (expert_map.has_value()) check_is_gpu(*expert_map, op, "expert_map", &hidden);
+  return checks::check_permute_args(op, hidden, ids, n_experts, expert_map, n_local, align);
 }
 
 void check_out(const at::Tensor& t, const char* arg, at::ScalarType dtype, at::IntArrayRef shape,
                const at::Tensor& like) {
-  check_gpu(t, kPermute, arg, int64_t(shape.size()), {dtype}, /*contiguous=*/true, &like);
-  MOELAB_CHECK(t.sizes() == shape, kPermute, arg, "must have shape ", shape, ", got ", t.sizes());
+  check_is_gpu(t, kPermuteOut, arg, &like);
+  checks::check_out_buffer(t, kPermuteOut, arg, dtype, shape);
 }
 
-// Outputs may not share memory with inputs or with each other (same rule as on the CPU).
-struct Span {
-  const char* name;
-  uintptr_t lo, hi;
-};
-Span span_of(const at::Tensor& t, const char* name) {
-  if (!t.defined() || t.numel() == 0) return {name, 0, 0};
-  int64_t last = 0;
-  for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
-  const auto lo = reinterpret_cast<uintptr_t>(t.data_ptr());
-  return {name, lo, lo + uintptr_t((last + 1) * t.element_size())};
-}
-void check_disjoint(std::initializer_list<Span> ins, std::initializer_list<Span> outs) {
-  auto meet = [](const Span& a, const Span& b) { return a.lo < a.hi && b.lo < b.hi && a.lo < b.hi && b.lo < a.hi; };
-  for (auto o = outs.begin(); o != outs.end(); ++o) {
-    for (const Span& i : ins)
-      MOELAB_CHECK(!meet(*o, i), kPermute, o->name, "must not share memory with input '", i.name, "'");
-    for (auto o2 = o + 1; o2 != outs.end(); ++o2)
-      MOELAB_CHECK(!meet(*o, *o2), kPermute, o->name, "must not share memory with output '", o2->name, "'");
-  }
-}
-
-void run(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
+void run(const char* op, const at::Tensor& hidden_in, const at::Tensor& ids, int64_t n_experts,
          const std::optional<at::Tensor>& expert_map, const Sizes& s, int64_t align, const at::Tensor& offsets,
          const at::Tensor& hidden_out, const at::Tensor& src_row, const at::Tensor& dst_pos, const at::Tensor& ws) {
+  // Rows closer than H elements (a stride-0 expanded hidden, accepted as on the CPU) are
+  // copied: the launcher wants rows at least row_bytes apart.
+  const at::Tensor hidden = s.T > 1 && s.H > 0 && hidden_in.stride(0) < s.H ? hidden_in.contiguous() : hidden_in;
   const int64_t es = hidden.element_size();
   gpu::PermuteArgs a;
   a.hidden = hidden.data_ptr();
@@ -112,21 +71,21 @@ void run(const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts,
   a.capacity = s.cap;
   a.workspace = static_cast<int32_t*>(ws.data_ptr());
   a.workspace_words = ws.nbytes() / 4;
-  check_launch(gpu::permute_launch(a, current_stream()), kPermute);
+  check_launch(gpu::permute_launch(a, current_stream()), op);
   if (!sync_checks()) return;
   const at::Tensor st = ws.view({-1}).view(at::kInt).narrow(0, 0, gpu::kPermuteStatusWords).to(at::kCPU);
   const int32_t* w = st.data_ptr<int32_t>();
   const int64_t bad = int64_t(uint64_t(uint32_t(w[2])) | (uint64_t(uint32_t(w[3])) << 32));
-  MOELAB_CHECK(w[0] != 1, kPermute, "ids", "holds ", bad, ", outside the valid range [-1, ", n_experts, ")");
-  MOELAB_CHECK(w[0] != 2, kPermute, "expert_map", "holds ", bad, ", outside the valid range [-1, ", s.E_loc, ")");
-  TORCH_CHECK(w[0] == 0, "moelab::permute: inconsistent ids between passes (status ", w[0],
-              "); are an input and an output sharing memory?");
+  MOELAB_CHECK(w[0] != 1, op, "ids", "holds ", bad, ", outside the valid range [-1, ", n_experts, ")");
+  MOELAB_CHECK(w[0] != 2, op, "expert_map", "holds ", bad, ", outside the valid range [-1, ", s.E_loc, ")");
+  MOELAB_CHECK(w[0] == 0, op, "ids", "differed between the kernel's passes over them (written during the "
+               "call?); status ", w[0]);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cuda(
     const at::Tensor& hidden, const at::Tensor& ids, int64_t n_experts, const std::optional<at::Tensor>& expert_map,
     int64_t n_local_experts, int64_t align) {
-  const Sizes s = check_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  const Sizes s = check_inputs(kPermute, hidden, ids, n_experts, expert_map, n_local_experts, align);
   const c10::cuda::CUDAGuard guard(hidden.device());
   const auto i64 = hidden.options().dtype(at::kLong), i32 = hidden.options().dtype(at::kInt);
   at::Tensor offsets = at::empty({s.E_loc + 1}, i64);
@@ -134,7 +93,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> permute_cuda(
   at::Tensor src_row = at::empty({s.cap}, i32);
   at::Tensor dst_pos = at::empty({s.T * s.K}, i32);
   at::Tensor ws = at::empty({gpu::permute_workspace_words(s.T * s.K, s.E_loc)}, i32);
-  run(hidden, ids, n_experts, expert_map, s, align, offsets, hidden_out, src_row, dst_pos, ws);
+  run(kPermute, hidden, ids, n_experts, expert_map, s, align, offsets, hidden_out, src_row, dst_pos, ws);
   return {offsets, hidden_out, src_row, dst_pos};
 }
 
@@ -142,32 +101,31 @@ void permute_out_cuda(const at::Tensor& hidden, const at::Tensor& ids, int64_t n
                       const std::optional<at::Tensor>& expert_map, int64_t n_local_experts, int64_t align,
                       const at::Tensor& offsets, const at::Tensor& hidden_out, const at::Tensor& src_row,
                       const at::Tensor& dst_pos, const at::Tensor& counts) {
-  const Sizes s = check_inputs(hidden, ids, n_experts, expert_map, n_local_experts, align);
+  const Sizes s = check_inputs(kPermuteOut, hidden, ids, n_experts, expert_map, n_local_experts, align);
   check_out(offsets, "offsets", at::kLong, {s.E_loc + 1}, hidden);
   check_out(hidden_out, "hidden_out", hidden.scalar_type(), {s.cap, s.H}, hidden);
   check_out(src_row, "src_row", at::kInt, {s.cap}, hidden);
   check_out(dst_pos, "dst_pos", at::kInt, {s.T * s.K}, hidden);
-  check_gpu(counts, kPermute, "counts", 1, {at::kLong}, /*contiguous=*/true, &hidden);
+  check_gpu(counts, kPermuteOut, "counts", 1, {at::kLong}, /*contiguous=*/true, &hidden);
   const int64_t words = gpu::permute_workspace_words(s.T * s.K, s.E_loc);
-  MOELAB_CHECK(counts.numel() * 2 >= words, kPermute, "counts",
+  MOELAB_CHECK(counts.numel() * 2 >= words, kPermuteOut, "counts",
                "is the GPU workspace and must hold at least ", (words + 1) / 2, " int64 for T*K = ", s.T * s.K,
                " rows and ", s.E_loc, " local experts (optimized.gpu.permute_counts_numel), got ", counts.numel());
   check_disjoint({span_of(hidden, "hidden"), span_of(ids, "ids"),
                   span_of(expert_map.has_value() ? *expert_map : at::Tensor(), "expert_map")},
                  {span_of(offsets, "offsets"), span_of(hidden_out, "hidden_out"), span_of(src_row, "src_row"),
-                  span_of(dst_pos, "dst_pos"), span_of(counts, "counts")});
+                  span_of(dst_pos, "dst_pos"), span_of(counts, "counts")},
+                 kPermuteOut);
   const c10::cuda::CUDAGuard guard(hidden.device());
-  run(hidden, ids, n_experts, expert_map, s, align, offsets, hidden_out, src_row, dst_pos, counts);
+  run(kPermuteOut, hidden, ids, n_experts, expert_map, s, align, offsets, hidden_out, src_row, dst_pos, counts);
 }
 
 at::Tensor unpermute_cuda(const at::Tensor& expert_out, const at::Tensor& weights, const at::Tensor& dst_pos) {
-  check_gpu(expert_out, kUnpermute, "expert_out", 2, {at::kFloat, at::kBFloat16, at::kHalf}, false);
-  MOELAB_CHECK(unit_inner_stride(expert_out), kUnpermute, "expert_out", "must have unit stride along H");
-  check_gpu(weights, kUnpermute, "weights", 2, {at::kFloat}, /*contiguous=*/false, &expert_out);
-  check_gpu(dst_pos, kUnpermute, "dst_pos", 1, {at::kInt}, /*contiguous=*/true, &expert_out);
-  const int64_t rows = expert_out.size(0), H = expert_out.size(1), T = weights.size(0), K = weights.size(1);
-  MOELAB_CHECK(dst_pos.size(0) == T * K, kUnpermute, "dst_pos", "must have T*K = ", T * K, " entries, got ",
-               dst_pos.size(0));
+  check_is_gpu(expert_out, kUnpermute, "expert_out");
+  check_is_gpu(weights, kUnpermute, "weights", &expert_out);
+  check_is_gpu(dst_pos, kUnpermute, "dst_pos", &expert_out);
+  const checks::UnpermuteSizes u = checks::check_unpermute_args(kUnpermute, expert_out, weights, dst_pos);
+  const int64_t rows = u.rows, H = u.H, T = u.T, K = u.K;
   const c10::cuda::CUDAGuard guard(expert_out.device());
   at::Tensor out = at::empty({T, H}, expert_out.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0 || H == 0) return out;

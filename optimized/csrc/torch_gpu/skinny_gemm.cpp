@@ -23,24 +23,12 @@ int compute_units(int device) {
 #endif
 
 at::Tensor skinny_gemm_cuda(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  check_gpu(x, kOp, "x", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
-  const int64_t T = x.size(0), K = x.size(1);
-  MOELAB_CHECK(T <= gpu::kSkinnyMaxT, kOp, "x", "must have T <= ", gpu::kSkinnyMaxT, " rows, got T = ", T);
-  MOELAB_CHECK(K >= 1, kOp, "x", "must have K >= 1 columns");
-  MOELAB_CHECK(T == 0 || K == 1 || x.stride(1) == 1, kOp, "x", "must have unit stride along K, got strides ",
-               x.strides());
-  check_gpu(weight, kOp, "weight", 2, {x.scalar_type()}, /*contiguous=*/false, &x);
-  const int64_t N = weight.size(0);
-  MOELAB_CHECK(weight.size(1) == K, kOp, "weight", "must have shape (N, ", K, "), got ", weight.sizes());
-  MOELAB_CHECK(N >= 1, kOp, "weight", "must have N >= 1 rows");
-  MOELAB_CHECK(K == 1 || weight.stride(1) == 1, kOp, "weight", "must have unit stride along K, got strides ",
-               weight.strides());
-  at::Tensor b;
-  if (bias.has_value()) {
-    b = *bias;
-    check_gpu(b, kOp, "bias", 1, {x.scalar_type()}, /*contiguous=*/true, &x);
-    MOELAB_CHECK(b.size(0) == N, kOp, "bias", "must have shape (", N, "), got ", b.sizes());
-  }
+  check_is_gpu(x, kOp, "x");
+  check_is_gpu(weight, kOp, "weight", &x);
+  if (bias.has_value()) check_is_gpu(*bias, kOp, "bias", &x);
+  const checks::GemmSizes g = checks::check_skinny_gemm_args(kOp, x, weight, bias);
+  const int64_t T = g.T, K = g.K, N = g.N;
+  const at::Tensor b = bias.has_value() ? *bias : at::Tensor();
   const c10::cuda::CUDAGuard guard(x.device());
   at::Tensor out = at::empty({T, N}, x.options().memory_format(at::MemoryFormat::Contiguous));
   if (T == 0) return out;
