@@ -301,7 +301,7 @@ MOELAB_DEV Unit unit_of(const FeGemm& g, int64_t u) {
 
 // ------------------------------------------------------------------------- small-m path
 template <int Q, int TB, bool VEC>
-__global__ void __launch_bounds__(kSmallThreads)
+__global__ void __launch_bounds__(kSmallThreads, 1)
 fe_small(FeGemm g) {
   constexpr int CE = kChunk<Q>, NV = TB * kSmallCols;
   __shared__ float red[kSmallWarps * NV];
@@ -395,7 +395,7 @@ fe_small(FeGemm g) {
 
 // --------------------------------------------------------------------------- tiled path
 template <int Q, bool VEC>
-__global__ void __launch_bounds__(kTileThreads)
+__global__ void __launch_bounds__(kTileThreads, 1)
 fe_tiled(FeGemm g) {
   constexpr int CE = kChunk<Q>, CPR = kTileK / CE;
   __shared__ vec16 sA16[kFeTileM * kTileLd / 8];     // vec16: 16-byte aligned tiles
@@ -584,7 +584,7 @@ MOELAB_DEV float fe_exp(float x) {
 }
 MOELAB_DEV float fe_sigmoid(float z) { return div_rn(1.0f, add_rn(1.0f, fe_exp(mul_rn(-1.0f, z)))); }
 
-__global__ void __launch_bounds__(kAuxThreads)
+__global__ void __launch_bounds__(kAuxThreads, 1)
 fe_act(const uint16_t* __restrict__ h, int64_t ldh, uint16_t* __restrict__ a, int64_t lda,
        const int64_t* __restrict__ offsets, int64_t E, int64_t I, int act, float alpha, float limit, int64_t rows) {
   const int64_t P = offsets[E] < rows ? offsets[E] : rows;
@@ -612,7 +612,7 @@ fe_act(const uint16_t* __restrict__ h, int64_t ldh, uint16_t* __restrict__ a, in
 // out[t, h] = bf16(sum over j ascending with p = dst_pos[t*K+j] >= 0 of w[t,j] * y[p, h]),
 // each product rounded to f32 then added, from +0 (the CPU's unpermute of the f32 y).
 template <bool VEC>
-__global__ void __launch_bounds__(kAuxThreads)
+__global__ void __launch_bounds__(kAuxThreads, 1)
 fe_combine(const float* __restrict__ y, int64_t ldy, const float* __restrict__ w, int64_t ldw_t, int64_t ldw_k,
            const int32_t* __restrict__ dst_pos, int64_t T, int64_t K, int64_t H, uint16_t* __restrict__ out) {
   constexpr int NE = VEC ? 4 : 1;
