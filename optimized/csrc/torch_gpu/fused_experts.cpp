@@ -169,16 +169,7 @@ at::Tensor fused_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const 
   return out;
 }
 
-// The GPU kernels' sizes, for optimized.dispatch.explain: [tile rows of the tiled path, rows
-// per small-path unit at most, warp width].
-std::vector<int64_t> gpu_fused_experts_info() {
-  return {gpu::kFeTileM, gpu::kFeSmallMaxRows, int64_t(gpu::warp_size())};
-}
-
 }  // namespace
 }  // namespace moelab::gpu_binding
 
-TORCH_LIBRARY_FRAGMENT(moelab, m) {
-  m.def("gpu_fused_experts_info() -> int[]", &moelab::gpu_binding::gpu_fused_experts_info);
-}
 TORCH_LIBRARY_IMPL(moelab, CUDA, m) { m.impl("fused_experts", &moelab::gpu_binding::fused_experts_cuda); }
