@@ -457,3 +457,67 @@ _EXPLAINERS["fused_experts"] = fused_experts_decision
 
 
 reload_tuning()
+
+
+# ------------------------------------------------------------ fused_experts on the GPU
+# csrc/gpu/fused_experts.cu runs, per expert block of m rows, one of two paths (the CPU's
+# names and policy codes, so both bindings take the same numbers):
+#   tiny    = the small-m path: a block of 4 warps streams 4 weight rows, dequantizes them in
+#             registers and applies them to a unit of <= 8 rows (1, 2, 4 or 8 from T); K is
+#             split across the lanes in a fixed order, independent of T and m.
+#   blocked = the tiled path: a 64x64 weight tile dequantized once into shared memory as
+#             bf16, reused by up to 64 rows: tensor cores (mma.sync m16n8k16) on CUDA sm_80+,
+#             a SIMT register tile on ROCm (and in the CPU emulator).
+# Policies as on the CPU: tiny / blocked (every block), global (one choice from avg_m),
+# per_block (blocked iff m > 4), auto (per_block with GPU_FUSED_EXPERTS_M_CROSS).
+# Batch invariance: a tensor core adds its products in an order the hardware fixes, and a
+# block's path follows its m, which depends on the batch; so in batch-invariant mode every
+# block takes the small-m path, whatever `dispatch` says (its order depends on K only).
+# The crossover is provisional: a block of m <= 8 rows is one small-path unit (one pass over
+# the weights), beyond that the small path re-reads the expert's weights (from L2) for every
+# 8 rows while the tiled path reads them once per 64 rows; experiments/gpu_bench.py times
+# both policies on an all-to-one routing to measure it.
+GPU_FUSED_EXPERTS_M_CROSS = {"bf16": 16, "fp8_block": 16, "mxfp4": 16}
+
+
+def fused_experts_gpu_plan(T: int, K: int, E: int, quant: str, dispatch: str) -> tuple[int, int, str]:
+    """The CUDA/ROCm op's (policy code, m_cross) for a call and a one-line reason (shapes only)."""
+    if _batch_invariant:
+        return (_FE_POLICY_CODES["tiny"], 0,
+                f"batch-invariant mode: every block on the small-m path (dispatch='{dispatch}' overridden; "
+                f"the tensor-core path's accumulation order is the hardware's)")
+    if dispatch != "auto":
+        code, m_cross, reason = fused_experts_plan(T, K, E, quant, dispatch)
+        return code, m_cross, reason
+    m = GPU_FUSED_EXPERTS_M_CROSS[quant]
+    return _FE_POLICY_CODES["per_block"], m, f"auto: per_block, tiled iff m >= {m} ({GPU_MEASURED})"
+
+
+def _gpu_fused_experts(x, w13, w2, topk_weights, topk_ids, *, quant, dispatch="auto", **_) -> Decision:
+    op = "fused_experts"
+    if not _gpu_loaded():
+        return Decision(op, "reference", "moelab GPU extension not built: the reference implementation")
+    T, K = topk_ids.shape
+    E = w13.shape[0]
+    code, m_cross, reason = fused_experts_gpu_plan(T, K, E, quant, dispatch)
+    tiled = ("mma.sync m16n8k16 tensor cores (CUDA sm_80+)" if _gpu_platform() == "cuda"
+             else "SIMT register tiles (ROCm)")
+    how = (f"tiny = small-m path (warp-streamed weights dequantized in registers, units of <= 8 rows, "
+           f"batch invariant); blocked = tiled path (64x64 bf16 weight tile in shared memory, {tiled})")
+    sizes = None
+    if isinstance(topk_ids, torch.Tensor):
+        ids = topk_ids.reshape(-1).to("cpu", torch.int64)
+        ids = ids[(ids >= 0) & (ids < E)]
+        sizes = torch.bincount(ids, minlength=E) if ids.numel() else torch.zeros(E, dtype=torch.int64)
+        sizes = sizes[sizes > 0]
+    if sizes is None:
+        return FusedExpertsDecision(op, {0: "tiny", 1: "blocked", 2: "per_block"}[code], f"{reason}; {how}",
+                                    policy=dispatch, m_cross=m_cross)
+    n_blocked = 0 if code == 0 else int(sizes.numel()) if code == 1 else int((sizes >= m_cross).sum())
+    n_tiny = int(sizes.numel()) - n_blocked
+    kernel = "none" if sizes.numel() == 0 else "tiny" if n_blocked == 0 else "blocked" if n_tiny == 0 else "mixed"
+    return FusedExpertsDecision(op, kernel, f"{reason}; {how}", policy=dispatch, m_cross=m_cross,
+                                blocks=(("tiny", n_tiny), ("blocked", n_blocked)))
+
+
+_GPU_POLICIES["fused_experts"] = _gpu_fused_experts

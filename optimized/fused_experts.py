@@ -1,4 +1,4 @@
-"""optimized.fused_experts: the expert MLPs with bf16 / FP8 block / MXFP4 weights on CPU (seed 000).
+"""optimized.fused_experts: the expert MLPs with bf16 / FP8 block / MXFP4 weights (seed 000).
 
 Same contract as reference.fused_experts (SPEC 5); design, layout, costs and the exact
 arithmetic are in docs/fused_experts.md and csrc/cpu/fused_experts_kernel.h. In short:
@@ -14,6 +14,11 @@ weights are exact in bf16.
 Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked VNNI
 layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
 standard-layout weights need.
+
+CUDA/ROCm tensors run csrc/gpu/fused_experts.cu (docs/gpu.md): the standard layout only
+(prepacked weights are CPU-only), a small-m path or a tiled (tensor-core on CUDA) path per
+expert block, chosen by optimized.dispatch's GPU policy; batch-invariant mode keeps every
+block on the small-m path. Without the GPU extension, CUDA tensors run the reference.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_
 
 from . import _fake
 from . import dispatch as _dispatch
+from . import gpu
 
 __all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
 
@@ -151,7 +157,8 @@ def _check_packed(x, w13: PackedMoEWeights, w2, topk_weights, topk_ids, quant, w
         if s is not None:
             fail(op, name, "must be None with prepacked weights (the scales are inside)")
     if x.device.type != "cpu":
-        fail(op, "x", f"must be on cpu like the prepacked weights, got {x.device}")
+        fail(op, "x", f"must be on cpu like the prepacked weights, got {x.device} (prepacked weights are "
+                      f"the CPU kernels' layout; on CUDA/ROCm pass the standard layout)")
     E, I = w13.E, w13.I
     for name, b, shp in (("w13_bias", w13_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H))):
         if b is not None:
@@ -184,12 +191,18 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
     else:
         E, I = check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
                                    w13_bias, w2_bias, activation, alpha, limit, dispatch)
-        if x.device.type != "cpu":
-            fail("fused_experts", "x", f"must be a CPU tensor (no moelab kernel for {x.device.type})")
+        if x.device.type not in ("cpu", "cuda"):
+            fail("fused_experts", "x", f"must be a CPU or CUDA/ROCm tensor (no moelab kernel for {x.device.type})")
+        if x.device.type == "cuda" and not gpu.available():   # no GPU extension: the reference
+            from reference.fused_experts import fused_experts as reference_fused_experts
+            return reference_fused_experts(x, w13, w2, topk_weights, topk_ids, quant=quant, w13_scale=w13_scale,
+                                           w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias,
+                                           activation=activation, alpha=alpha, limit=limit, dispatch=dispatch)
         args = (w13, w2)
         slow13 = slow2 = None
     T, K = topk_ids.shape
-    code, m_cross, _ = _dispatch.fused_experts_plan(T, K, E, quant, dispatch)
+    plan = _dispatch.fused_experts_gpu_plan if x.device.type == "cuda" else _dispatch.fused_experts_plan
+    code, m_cross, _ = plan(T, K, E, quant, dispatch)
     if T > 0 and x.stride(1) != 1:
         x = x.contiguous()
     return torch.ops.moelab.fused_experts(x, args[0], args[1], topk_weights, topk_ids, quant, packed, E, I,

@@ -6,13 +6,16 @@
 # 1. environment (GPU, driver, torch, CUDA)        -> $OUT/env.txt
 # 2. build the CPU and the CUDA extension           (import optimized; moelab_gpu must load)
 # 3. torch.library.opcheck of every op on CUDA, and each GPU kernel against the CPU kernel
+#    (fused_experts: both paths, every format, exact-sum bit identity, batch invariance)
 #                                                   -> $OUT/opcheck.csv
-# 4. python -m verify --backends cuda --budget 120  -> $OUT/verify/
+# 4. python -m verify --backends cuda --budget 80   -> $OUT/verify/
 # 5. timings vs the eager-PyTorch way and the seeds' "before" paths, CUDA graphs, with the
-#    measured copy bandwidth and launch cost as floors -> $OUT/gpu_bench.csv, gpu_env.csv
-# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit so the whole
-# run stays within ~8 minutes on an H200; a failing step is recorded and the next one still
-# runs; the exit status is non-zero if any step failed.
+#    measured copy bandwidth and launch cost as floors (fused_experts: decode weight-read
+#    bandwidth vs the copy bandwidth, the path crossover, one prefill point)
+#                                                   -> $OUT/gpu_bench.csv, gpu_env.csv
+# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (200 + 90 +
+# 110 + 80 s = 8 minutes at most on an H200); a failing step is recorded and the next one
+# still runs; the exit status is non-zero if any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -49,7 +52,7 @@ step "environment"
   git log -1 --format='commit %H %s' 2>/dev/null || true
 } | tee "$OUT/env.txt"
 
-run_step build 240 $PY -c "
+run_step build 200 $PY -c "
 import time; t = time.time()
 import optimized
 from optimized import gpu
@@ -60,8 +63,8 @@ if [[ " ${failed[*]-} " == *" build "* ]]; then
   echo "build failed: nothing else can run"; exit 1
 fi
 run_step opcheck 90 $PY scripts/gpu_opcheck.py --out "$OUT"
-run_step verify 170 $PY -m verify --backends cuda --budget 120 --report "$OUT/verify"
-run_step bench 120 $PY -m experiments.gpu_bench --out "$OUT"
+run_step verify 110 $PY -m verify --backends cuda --budget 80 --report "$OUT/verify"
+run_step bench 80 $PY -m experiments.gpu_bench --out "$OUT"
 
 step "done in $(( $(date +%s) - start )) s"
 if (( ${#failed[@]} )); then echo "FAILED steps: ${failed[*]}"; exit 1; fi

@@ -11,6 +11,19 @@ Checks (one CSV row each, DIR/opcheck.csv):
   close     router_gemm / skinny_gemm within 4x the CPU kernel's error against an f64 GEMM,
             plus one output rounding
   invariant a token's GEMM output is the same bits alone and inside the batch
+  fused_experts (every format, both activations, biases, dropped slots; policies tiny =
+  small-m path, blocked = tiled tensor-core path, auto):
+    close   verify's arithmetic rule against reference.fused_experts (verify/tolerance.py), and
+            >= 95% of the outputs bit-identical to the CPU kernel's (two correct kernels with
+            different summation orders differ where an f32 rounding crosses a bf16 boundary,
+            ~0.1% of the outputs)
+    exact   small-integer inputs, one nonzero weight per W2 row: every sum is exact, so both
+            GPU paths equal the CPU kernel bit for bit (dequantization, activation, bias,
+            combine and every bf16 rounding are the same arithmetic)
+    invariant  in batch-invariant mode (every block on the small-m path) a token's output is
+            the same bits alone and inside the batch
+    error   an id outside [-1, E) raises the CPU binding's RuntimeError; prepacked weights are
+            refused on CUDA
 Exit status 1 if any check failed (every check runs regardless).
 """
 from __future__ import annotations
@@ -215,6 +228,148 @@ def check_gemms():
         run("skinny_gemm", case, "close", lambda x=x, w=w, b=b, dtype=dtype: gemm_check("skinny_gemm", x, w, b, dtype))
 
 
+# ---------------------------------------------------------------------- fused_experts
+def _fe_case(quant, act, E, H, I, T, K, seed):
+    """Random weights of one format (reference.quant), a hot expert, ~10% dropped slots, biases
+    f32 (w13) and bf16 (w2)."""
+    from reference.quant import quantize_fp8_block, quantize_mxfp4
+    gen = g(seed)
+    w13f = torch.randn(E, 2 * I, H, generator=gen) / H ** 0.5
+    w2f = torch.randn(E, H, I, generator=gen) / I ** 0.5
+    kw = dict(quant=quant, activation=act)
+    if quant == "bf16":
+        w13, w2 = w13f.bfloat16(), w2f.bfloat16()
+    elif quant == "fp8_block":
+        (w13, kw["w13_scale"]), (w2, kw["w2_scale"]) = quantize_fp8_block(w13f), quantize_fp8_block(w2f)
+    else:
+        (w13, kw["w13_scale"]), (w2, kw["w2_scale"]) = quantize_mxfp4(w13f), quantize_mxfp4(w2f)
+    kw["w13_bias"] = torch.randn(E, 2 * I, generator=gen) * 0.1
+    kw["w2_bias"] = (torch.randn(E, H, generator=gen) * 0.1).bfloat16()
+    x = torch.randn(T, H, generator=gen).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=gen)[:K] for _ in range(T)]).to(torch.int32)
+    ids[: T // 2, 0] = 0                                   # a hot expert (0 may repeat in a row: allowed)
+    ids[torch.rand(T, K, generator=gen) < 0.1] = -1
+    tw = torch.rand(T, K, generator=gen)
+    return x, w13, w2, tw, ids, kw
+
+
+def _fe_close(out, x, w13, w2, tw, ids, kw):
+    """verify's arithmetic rule for fused_experts (verify/tolerance.py): the kernel's error against
+    the f64 ground truth within 4x an eager PyTorch computation's, plus the bf16 flip floor."""
+    from verify import tolerance as tol
+    ref = reference.fused_experts(x, w13, w2, tw, ids, **kw)
+    eager, V, A, Fl = tol.fused_experts_baseline(x, w13, w2, tw, ids, **kw)
+    res = tol.arith_check(out, ref, eager, V, A, torch.bfloat16, n_floor=tol.gemm_floor(w2.shape[2] * (
+        2 if kw["quant"] == "mxfp4" else 1)), extra=Fl)
+    return res.ok, f"error/tolerance {res.ratio:.3g}"
+
+
+def _fe_gpu(x, w13, w2, tw, ids, kw, policy):
+    """torch.ops.moelab.fused_experts on CUDA copies, with the GPU plan of `policy`."""
+    from optimized import dispatch
+    E, I = w13.shape[0], w13.shape[1] // 2
+    code, m_cross, _ = dispatch.fused_experts_gpu_plan(ids.shape[0], ids.shape[1], E, kw["quant"], policy)
+    d = lambda t: None if t is None else t.to(DEV)  # noqa: E731
+    args = (x.to(DEV), w13.to(DEV), w2.to(DEV), tw.to(DEV), ids.to(DEV), kw["quant"], False, E, I,
+            d(kw.get("w13_scale")), d(kw.get("w2_scale")), None, None, d(kw.get("w13_bias")), d(kw.get("w2_bias")),
+            kw["activation"], float(kw.get("alpha", 1.702)), float(kw.get("limit", 7.0)), code, m_cross)
+    return args
+
+
+def _fe_exact_case(quant, E=4, H=256, I=128, T=12, K=2, seed=5):
+    """Small integers (x, w13) and one nonzero +-1/+-2 per W2 row, dyadic biases: every dot
+    product, bias add and scale is exact in f32 whatever the order of the additions."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(-3, 4, (T, H), generator=g).bfloat16()
+    onehot = torch.zeros(E, H, I)
+    onehot[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 3, (E, H), generator=g).float() * \
+        torch.where(torch.rand(E, H, generator=g) < 0.5, -1.0, 1.0)
+    if quant == "bf16":
+        w13, w2, s13, s2 = torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16(), onehot.bfloat16(), None, None
+    elif quant == "fp8_block":
+        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
+        s13 = torch.exp2(torch.randint(-2, 2, (E, -(-2 * I // 128), -(-H // 128)), generator=g).float())
+        w2, s2 = onehot.to(torch.float8_e4m3fn), torch.full((E, -(-H // 128), -(-I // 128)), 0.5)
+    else:
+        w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+        s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+        c2 = torch.zeros(E, H, I, dtype=torch.uint8)
+        for v, c in {1.0: 2, 2.0: 4, -1.0: 10, -2.0: 12}.items():
+            c2[onehot == v] = c
+        w2, s2 = c2[:, :, 0::2] | (c2[:, :, 1::2] << 4), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[1, 0] = -1
+    tw = torch.rand(T, K, generator=g)
+    kw = dict(quant=quant, w13_scale=s13, w2_scale=s2, activation="silu",
+              w13_bias=torch.randint(-8, 9, (E, 2 * I), generator=g) / 8.0,
+              w2_bias=(torch.randint(-8, 9, (E, H), generator=g) / 4.0).bfloat16())
+    return x, w13, w2, tw, ids, kw
+
+
+def check_fused_experts():
+    from optimized import dispatch
+    bits = lambda t: t.view(torch.int16)  # noqa: E731
+    cases = [("bf16", "silu", 8, 256, 128, 5, 2), ("fp8_block", "silu", 8, 384, 192, 40, 4),
+             ("fp8_block", "swiglu_oai", 6, 200, 72, 9, 2), ("mxfp4", "swiglu_oai", 8, 256, 128, 40, 4),
+             ("mxfp4", "silu", 4, 128, 64, 1, 2), ("bf16", "swiglu_oai", 4, 130, 50, 70, 2)]
+    for i, (quant, act, E, H, I, T, K) in enumerate(cases):
+        x, w13, w2, tw, ids, kw = _fe_case(quant, act, E, H, I, T, K, seed=i)
+        case = f"{quant} {act} E={E} H={H} I={I} T={T} K={K}"
+        if quant != "fp8_block" and i < 4:   # opcheck's schema test compares inputs with allclose,
+            # which float8 tensors do not implement; the op itself is the same for every format
+            opcheck("fused_experts", case, _fe_gpu(x, w13, w2, tw, ids, kw, "auto"))
+        cpu = optimized.fused_experts(x, w13, w2, tw, ids, **kw)
+        for policy in ("tiny", "blocked", "auto"):
+            def fn(policy=policy, x=x, w13=w13, w2=w2, tw=tw, ids=ids, kw=kw, cpu=cpu):
+                out = OPS.fused_experts(*_fe_gpu(x, w13, w2, tw, ids, kw, policy)).cpu()
+                ok, detail = _fe_close(out, x, w13, w2, tw, ids, kw)
+                # Two correct kernels with different summation orders differ only where an f32
+                # rounding crosses a bf16 boundary: measured ~0.1% of the outputs on the CPU.
+                same = ((bits(out) == bits(cpu)) | (out.isnan() & cpu.isnan())).float().mean().item()
+                return ok and same >= 0.95, (f"policy {policy}: {detail}; {100 * same:.2f}% of outputs "
+                                             f"bit-identical to the CPU kernel (>= 95% required)")
+            run("fused_experts", case, "close", fn)
+
+        def fn_inv(x=x, w13=w13, w2=w2, tw=tw, ids=ids, kw=kw, T=T):
+            with dispatch.batch_invariant_mode(True):
+                full = OPS.fused_experts(*_fe_gpu(x, w13, w2, tw, ids, kw, "blocked")).cpu()
+                ok = True
+                for t in sorted({0, T // 2, T - 1}):
+                    one = OPS.fused_experts(*_fe_gpu(x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], kw,
+                                                     "blocked")).cpu()
+                    ok = ok and torch.equal(bits(one[0]), bits(full[t]))
+            return ok, "batch-invariant mode: token alone == token in the batch"
+        run("fused_experts", case, "invariant", fn_inv)
+
+    for quant in ("bf16", "fp8_block", "mxfp4"):
+        x, w13, w2, tw, ids, kw = _fe_exact_case(quant)
+
+        def fn_exact(x=x, w13=w13, w2=w2, tw=tw, ids=ids, kw=kw):
+            cpu = optimized.fused_experts(x, w13, w2, tw, ids, **kw)
+            outs = {p: OPS.fused_experts(*_fe_gpu(x, w13, w2, tw, ids, kw, p)).cpu() for p in ("tiny", "blocked")}
+            same = {p: torch.equal(bits(o), bits(cpu)) for p, o in outs.items()}
+            return all(same.values()), f"bit-identical to the CPU kernel: {same}"
+        run("fused_experts", f"{quant} exact sums", "exact", fn_exact)
+
+    def fn_err():
+        x, w13, w2, tw, ids, kw = _fe_case("bf16", "silu", 4, 64, 32, 3, 2, seed=1)
+        ids = ids.clamp(min=0)
+        bad = ids.clone()
+        bad[1, 1] = 4
+        msgs = []
+        for label, a in (("id", _fe_gpu(x, w13, w2, tw, bad, kw, "auto")),
+                         ("packed", _fe_gpu(x, w13, w2, tw, ids, kw, "auto")[:6] + (True,)
+                          + _fe_gpu(x, w13, w2, tw, ids, kw, "auto")[7:])):
+            try:
+                OPS.fused_experts(*a)
+                msgs.append(f"{label}: no error")
+            except RuntimeError as e:
+                want = "'topk_ids'" if label == "id" else "'packed'"
+                msgs.append(f"{label}: {'ok' if want in str(e) else 'wrong message: ' + str(e)[:80]}")
+        return all(m.endswith("ok") for m in msgs), "; ".join(msgs)
+    run("fused_experts", "bad id / prepacked", "error", fn_err)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
@@ -224,7 +379,7 @@ def main() -> int:
     assert torch.cuda.is_available(), "no GPU visible"
     assert gpu.available(), "the moelab GPU extension did not load"
     print("gpu extension:", gpu.info(), torch.cuda.get_device_name())
-    for section in (check_route, check_permute, check_gemms):
+    for section in (check_route, check_permute, check_gemms, check_fused_experts):
         try:
             section()
         except Exception as e:

@@ -6,8 +6,15 @@ What this proves: the kernels' index logic, tie rules, reductions, tier table, t
 argument checks are right for both warp widths, bit for bit where the contract is exact. What it
 cannot prove: real-GPU memory ordering, timing, and the vendor compilers' code generation (the
 compile check and scripts/gpu_check.sh cover those where a GPU is lent).
+
+fused_experts: the emulator runs the kernels' SIMT code. The tiled path's CUDA tensor-core
+branch (inline PTX mma.sync, taken on sm_80+) cannot execute here, so the emulated tiled path is
+the SIMT fallback that ROCm runs; the tensor-core branch is only compiled (make compile-check)
+and checked on a GPU by scripts/gpu_opcheck.py.
 """
 from __future__ import annotations
+
+import contextlib
 
 import pytest
 import torch
@@ -221,3 +228,293 @@ def test_gemm_launchers_reject_bad_arguments(emu):
     assert emu.skinny_gemm(x, w, None, False, 1)[0] < 0         # T > 8
     assert emu.skinny_gemm(x[:0], w, None, False, 1)[0] == 0
     assert emu.router_gemm(torch.randn(0, 16), torch.randn(4, 16))[0] == 0
+
+
+# -------------------------------------------------------------------- fused_experts
+# The emulated kernel is the SIMT build: the tiled path's CUDA tensor-core branch (mma.sync,
+# portability.h) cannot run here (the emulator does not execute PTX), so "tiled" below is the
+# SIMT fallback that HIP runs; the tensor-core branch is only compiled (make compile-check).
+# Arithmetic that is the same on the CPU kernel and here, hence compared bit for bit:
+#   - the dequantized weights (fp8: bf16(f32(e4m3) * scale); bf16 and mxfp4 exact), the
+#     activation (the CPU's f32 formulas, Cephes exp), the bias add, the combine (f32, j
+#     ascending, product then add) and every bf16 rounding point;
+#   - the tiled SIMT path's K reduction (one fmaf per k, ascending): the CPU's order at its
+#     scalar, avx2 and avx512 levels. The small-m path splits K across lanes (its own fixed
+#     order), so it equals the CPU only where every sum is exact (small-integer inputs).
+# Inputs with a large cancelling pair of activations make the K order visible in the bf16
+# outputs, so those checks can fail.
+FE_QUANT = {"bf16": 0, "fp8_block": 1, "mxfp4": 2}
+FE_SMALL, FE_TILED, FE_PER_BLOCK = 0, 1, 2
+
+
+def fe_run(emu, x, w13, w2, tw, ids, kw, policy, m_cross=0, ws=-1):
+    E, I = w13.shape[0], w13.shape[1] // 2
+    act = {"silu": 0, "swiglu_oai": 1}[kw["activation"]]
+    return emu.fused_experts(x, w13, w2, tw, ids, FE_QUANT[kw["quant"]], kw.get("w13_scale"), kw.get("w2_scale"),
+                             kw.get("w13_bias"), kw.get("w2_bias"), act, kw.get("alpha", 1.702), kw.get("limit", 7.0),
+                             policy, m_cross, E, I, ws)
+
+
+def fe_ok(emu, *args, **kw):
+    st, out, _ = fe_run(emu, *args, **kw)
+    assert st == 0
+    return out
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Tiny CPU-side tensors (references, tolerances, the CPU kernel): one torch thread. On a
+    shared 2-core machine the thread pool's fork/join costs ~100x the work (the CPU kernel's
+    result does not depend on the thread count)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
+
+
+def fe_cpu(x, w13, w2, tw, ids, kw, level="scalar"):
+    import optimized
+    optimized.set_isa(level)
+    try:
+        with one_thread():
+            return optimized.fused_experts(x, w13, w2, tw, ids, **kw)
+    finally:
+        optimized.set_isa("avx512_bf16")
+
+
+def same_bits(a, b):
+    """Bit-identical bf16 tensors, any NaN equal to any NaN (hardware NaN payloads differ)."""
+    nan = torch.isnan(a.float()) & torch.isnan(b.float())
+    return a.shape == b.shape and bool(((a.view(torch.int16) == b.view(torch.int16)) | nan).all())
+
+
+def fe_checker(x, w13, w2, tw, ids, kw):
+    """tests/test_fused_experts_optimized.reference_check, with the reference outputs and the
+    tolerance computed once per case (they cost far more than an emulated call): check(out)."""
+    from tests.test_fused_experts_optimized import allowed_error, check_close, check_rarely_differs, kernel_weights
+    q = kw["quant"]
+    with one_thread():
+        ref = reference.fused_experts(x, w13, w2, tw, ids, **kw)
+        W13r, W13k = kernel_weights(q, w13, kw.get("w13_scale"))
+        W2r, W2k = kernel_weights(q, w2, kw.get("w2_scale"))
+        allowed = allowed_error(x, tw, ids, kw, W13k, W2k, W13r, W2r)
+        if q == "fp8_block":        # tight: the same function with the kernel's bf16 weights
+            kb = dict(kw, quant="bf16", w13_scale=None, w2_scale=None)
+            ref_b = reference.fused_experts(x, W13k.bfloat16(), W2k.bfloat16(), tw, ids, **kb)
+            allowed_b = allowed_error(x, tw, ids, kw, W13k, W2k, W13k, W2k)
+
+    def check(out):
+        with one_thread():
+            check_close(out, ref, allowed, f"{q} vs reference")
+            if q != "fp8_block":
+                check_rarely_differs(out, ref, f"{q} vs reference")
+            else:
+                check_close(out, ref_b, allowed_b, "fp8 vs bf16(W) reference")
+                check_rarely_differs(out, ref_b, "fp8 vs bf16(W) reference")
+    return check
+
+
+def fe_cancelling(quant, act, E=3, H=64, I=32, T=7, K=2, seed=21, S=2.0 ** 18):
+    """make_case's data, plus activations +S at k = 0 and -S at k = 40 against equal weights
+    there: the big products cancel exactly, and what the sum keeps of the 39 terms between
+    depends on the order of the additions (k = 0 and 40 lie in different 16-byte chunks)."""
+    from tests.test_fused_experts_optimized import make_case
+    x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=seed, hot=True)
+    w13 = w13.clone()
+    if quant == "mxfp4":
+        kw = dict(kw, w13_scale=kw["w13_scale"].clone())
+        w13[:, :, 20] = (w13[:, :, 20] & 0xF0) | (w13[:, :, 0] & 0x0F)   # code of k = 40 := code of k = 0
+        kw["w13_scale"][:, :, 1] = kw["w13_scale"][:, :, 0]
+    else:
+        w13[:, :, 40] = w13[:, :, 0]
+    x = x.clone()
+    sign = torch.where(torch.arange(T) % 2 == 0, 1.0, -1.0)
+    x[:, 0] = (S * sign).bfloat16()
+    x[:, 40] = (-S * sign).bfloat16()
+    return x, w13, w2, tw, ids, kw
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_fused_experts_matches_reference(emu, quant, act):
+    """Both paths and a per-block mix against reference.fused_experts, with the CPU tests'
+    tolerance (tests/test_fused_experts_optimized.py: reference_check); biases f32 (w13) and
+    bf16 (w2); ~10% of the slots dropped; T = 0, 1 and an odd T with a hot expert."""
+    from tests.test_fused_experts_optimized import make_case
+    E, H, I, K = 3, 64, 32, 2
+    x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, 0, K, seed=1)
+    st, out, _ = fe_run(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+    assert st == 0 and out.shape == (0, H)
+    for T, runs in ((1, [(FE_SMALL, 0), (FE_TILED, 0)]), (7, [(FE_SMALL, 0), (FE_TILED, 0), (FE_PER_BLOCK, 4)])):
+        x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=T + 3, hot=True)
+        cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+        check = fe_checker(x, w13, w2, tw, ids, kw)
+        for policy, m_cross in runs:
+            out = fe_ok(emu, x, w13, w2, tw, ids, kw, policy, m_cross)
+            assert not out.isnan().any()
+            check(out)
+            if policy == FE_TILED:
+                assert same_bits(out, cpu), "tiled SIMT path differs from the CPU kernel (scalar level)"
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+def test_fused_experts_odd_sizes_and_strides(emu, quant):
+    """H, I off every chunk width (scalar loads, zero k tails), N not a multiple of the column
+    tiles, 128-blocks of fp8 scales cut short, strided x / weights / ids; and the scalar-load
+    variant gives the vector variant's bits (same chunks, same order)."""
+    from tests.test_fused_experts_optimized import make_case
+    x, w13, w2, tw, ids, kw = make_case(quant, "swiglu_oai", 2, 133, 21, 5, 2, seed=8)
+    xs = torch.zeros(5, 140, dtype=torch.bfloat16)[:, 3:136]
+    xs.copy_(x)
+    tws, idss = torch.zeros(2, 5).T, torch.zeros(2, 5, dtype=torch.int32).T
+    tws.copy_(tw)
+    idss.copy_(ids)
+    cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+    check = fe_checker(x, w13, w2, tw, ids, kw)
+    for policy in (FE_SMALL, FE_TILED):
+        out = fe_ok(emu, xs, w13, w2, tws, idss, kw, policy)
+        check(out)
+        if policy == FE_TILED:
+            assert same_bits(out, cpu)
+    # vector vs scalar loads: x rows at an odd offset force the scalar variant of GEMM1
+    x, w13, w2, tw, ids, kw = make_case(quant, "silu", 2, 64, 32, 3, 2, seed=9)
+    xo = torch.zeros(3, 66, dtype=torch.bfloat16)[:, 1:65]
+    xo.copy_(x)
+    for policy in (FE_SMALL, FE_TILED):
+        assert same_bits(fe_ok(emu, xo, w13, w2, tw, ids, kw, policy), fe_ok(emu, x, w13, w2, tw, ids, kw, policy))
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+def test_fused_experts_bitwise_with_the_cpu_kernel(emu, quant):
+    """(1) Order-sensitive inputs (fe_cancelling): the tiled SIMT path equals the CPU kernel at
+    its fma levels bit for bit, and the small-m path (another K order) does not - so the
+    comparison sees the order. (2) Exact sums (small integers, one nonzero per W2 row): every
+    sum is exact in any order, so both paths equal the CPU at every ISA level, including
+    avx512_bf16: the weight dequantization, activation, bias and combine agree bit for bit."""
+    x, w13, w2, tw, ids, kw = fe_cancelling(quant, "silu")
+    tiled = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+    small = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+    for level in ("scalar", "avx2", "avx512"):
+        assert same_bits(tiled, fe_cpu(x, w13, w2, tw, ids, kw, level)), level
+    assert not same_bits(small, tiled), "inputs not order-sensitive: the check could not fail"
+
+    E, H, I, T, K = 3, 64, 32, 6, 2
+    g = torch.Generator().manual_seed(77)
+    x = torch.randint(-3, 4, (T, H), generator=g).bfloat16()
+    onehot = torch.zeros(E, H, I)
+    onehot[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 3, (E, H), generator=g).float() * \
+        torch.where(torch.rand(E, H, generator=g) < 0.5, -1.0, 1.0)
+    if quant == "bf16":
+        w13 = torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16()
+        w2, s13, s2 = onehot.bfloat16(), None, None
+    elif quant == "fp8_block":
+        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
+        s13 = torch.exp2(torch.randint(-2, 2, (E, 1, 1), generator=g).float())
+        w2, s2 = onehot.to(torch.float8_e4m3fn), torch.full((E, 1, 1), 0.5)
+    else:
+        w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+        s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+        code = {1.0: 2, 2.0: 4, -1.0: 10, -2.0: 12}
+        c2 = torch.zeros(E, H, I, dtype=torch.uint8)
+        for v, c in code.items():
+            c2[onehot == v] = c
+        w2, s2 = (c2[:, :, 0::2] | (c2[:, :, 1::2] << 4)), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    tw = torch.rand(T, K, generator=g)
+    for act in ("silu", "swiglu_oai"):
+        kw = dict(quant=quant, w13_scale=s13, w2_scale=s2, activation=act,
+                  w13_bias=torch.randint(-8, 9, (E, 2 * I), generator=g) / 8.0,
+                  w2_bias=(torch.randint(-8, 9, (E, H), generator=g) / 4.0).bfloat16())
+        small = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+        tiled = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+        assert not small.isnan().any() and (small != 0).float().mean() > 0.5
+        for level in ("scalar", "avx512", "avx512_bf16"):
+            cpu = fe_cpu(x, w13, w2, tw, ids, kw, level)
+            assert same_bits(small, cpu) and same_bits(tiled, cpu), (act, level)
+
+
+def test_fused_experts_small_path_is_batch_invariant(emu):
+    """A token's output is the same bits alone (T = 1: 1 row per unit) or in batches of 2, 3, 5
+    and 7 (2, 4 and 8 rows per unit) or shuffled, on order-sensitive inputs; the tiled path's
+    bits differ there, which is why batch-invariant mode keeps every block on the small path."""
+    x, w13, w2, tw, ids, kw = fe_cancelling("fp8_block", "swiglu_oai", T=7)
+    full = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+    for t in (0, 3, 6):
+        one = fe_ok(emu, x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], kw, FE_SMALL)
+        assert same_bits(one[0], full[t]), t
+    for n in (2, 3, 5):
+        assert same_bits(fe_ok(emu, x[:n], w13, w2, tw[:n], ids[:n], kw, FE_SMALL), full[:n]), n
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(2))
+    assert same_bits(fe_ok(emu, x[perm], w13, w2, tw[perm], ids[perm], kw, FE_SMALL), full[perm])
+    assert not same_bits(fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED), full)
+
+
+def test_fused_experts_special_weights_and_dropped_rows(emu):
+    """fp8 NaN codes and a scale of 2^121, mxfp4 scale bytes 0, 1, 253 and 255 (NaN) decode as
+    the CPU's exact decoder does (bitwise, NaN-aware); dropped slots are skipped, a fully
+    dropped token is an exact zero row, and every output element is written (no poison left)."""
+    from tests.test_fused_experts_optimized import make_case, make_weights
+    E, H, I, K, T = 4, 128, 64, 2, 6
+    w13, w2, s13, s2 = (t.clone() for t in make_weights("fp8_block", E, H, I))
+    s13[0, 0, 0] = 2.0 ** 121
+    w13.view(torch.uint8)[0, :128, :128] &= 0x80                    # +-0 codes under the huge scale
+    w13.view(torch.uint8)[1, 3, 7] = 0x7F                           # NaN
+    x, _, _, tw, ids, kw = make_case("fp8_block", "silu", E, H, I, T, K, seed=4)
+    ids[2] = -1
+    kw.update(w13_scale=s13, w2_scale=s2)
+    cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+    for policy in (FE_SMALL, FE_TILED):
+        out = fe_ok(emu, x, w13, w2, tw, ids, kw, policy)
+        uses1 = (ids == 1).any(1)
+        assert torch.equal(out.isnan(), cpu.isnan()) and out[uses1].isnan().all()
+        assert not out[~uses1].isnan().any() and torch.equal(out[2], torch.zeros(H, dtype=torch.bfloat16))
+        if policy == FE_TILED:
+            assert same_bits(out, cpu)
+
+    w13, w2, s13, s2 = (t.clone() for t in make_weights("mxfp4", E, H, I))
+    s13[0, :5, 0] = 0
+    s13[0, 5:9, 1] = 1
+    s13[2, :3, 2] = 253
+    w13[2, :3, 32:48] &= 0x11
+    s2[1, 4, 0] = 255
+    x, _, _, tw, ids, kw = make_case("mxfp4", "silu", E, H, I, T, K, seed=4)
+    x = (x.float() * 2.0 ** -100).bfloat16()
+    kw.update(w13_scale=s13, w2_scale=s2)
+    cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+    out = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+    assert same_bits(out, cpu) and out[(ids == 1).any(1), 4].isnan().all()
+
+    none = torch.full_like(ids, -1)
+    for policy in (FE_SMALL, FE_TILED):
+        st, out, status = fe_run(emu, x, w13, w2, tw, none, kw, policy)
+        assert st == 0 and status[0].item() == 0 and torch.equal(out, torch.zeros(T, H, dtype=torch.bfloat16))
+
+
+def test_fused_experts_launcher_checks(emu):
+    """Bad sizes, codes and workspaces are refused before any launch (negative status); an id
+    outside [-1, E) is reported in the status words (code 1, the value), its slot skipped."""
+    from tests.test_fused_experts_optimized import make_case
+    x, w13, w2, tw, ids, kw = make_case("bf16", "silu", 3, 64, 32, 4, 2, seed=1)
+    need = emu.fused_experts_workspace_bytes(4, 2, 3, 64, 32)
+    assert need > 0 and emu.fused_experts_workspace_bytes(8, 2, 3, 64, 32) > need
+    assert fe_run(emu, x, w13, w2, tw, ids, kw, FE_SMALL, ws=need - 1)[0] < 0
+    assert fe_run(emu, x, w13, w2, tw, ids, kw, FE_SMALL, ws=need)[0] == 0
+    assert fe_run(emu, x, w13, w2, tw, ids, kw, 3)[0] < 0                                  # policy
+    assert fe_run(emu, x, w13, w2, tw, ids, dict(kw, activation="silu"), FE_SMALL)[0] == 0
+    E, I = 3, 32
+    base = [x, w13, w2, tw, ids, 0, None, None, None, None, 0, 1.702, 7.0, 0, 0, E, I, -1]
+    for i, v in ((5, 3), (10, 2), (15, 0), (16, 0), (5, 1)):                 # quant, act, E, I, fp8 without scales
+        a = list(base)
+        a[i] = v
+        assert emu.fused_experts(*a)[0] < 0, (i, v)
+    u8 = torch.uint8
+    a = [x[:, :48].contiguous(), torch.zeros(3, 64, 24, dtype=u8), torch.zeros(3, 48, 16, dtype=u8), tw, ids, 2,
+         torch.full((3, 64, 1), 127, dtype=u8), torch.full((3, 48, 1), 127, dtype=u8), None, None, 0, 1.0, 7.0, 0, 0,
+         3, 32, -1]
+    assert emu.fused_experts(*a)[0] < 0                                       # mxfp4 with H % 32 != 0
+    bad = ids.clone()
+    bad[1, 1] = 3
+    st, out, status = fe_run(emu, x, w13, w2, tw, bad, kw, FE_SMALL)
+    assert st == 0 and status[0].item() == 1 and status[2].item() == 3 and not out.isnan().any()

@@ -130,4 +130,49 @@ constexpr int kSkinnyMaxT = 8;
 int skinny_gemm_launch(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias,
                        void* out, Fmt fmt, int64_t T, int64_t K, int64_t N, Stream stream);
 
+// ----------------------------------------------------------------------- fused_experts
+// SPEC 5's expert MLPs (csrc/gpu/fused_experts.cu has the algorithm). Codes shared with the
+// CPU binding: FeQuant = fe::Quant, FePolicy = cpu::FePolicy, so optimized.dispatch hands
+// both devices the same numbers. Per expert block of m rows: the small-m path (weights
+// streamed and dequantized in registers; "tiny") or the tiled path (a weight tile dequantized
+// once into shared memory as bf16; "blocked"): tiled iff policy == kFeAllTiled, or
+// policy == kFePerBlock and m >= m_cross.
+enum FeQuant : int { kFeBF16 = 0, kFeFP8 = 1, kFeMXFP4 = 2 };
+enum FePolicy : int { kFeAllSmall = 0, kFeAllTiled = 1, kFePerBlock = 2 };
+enum FeActivation : int { kFeSilu = 0, kFeSwigluOai = 1 };
+constexpr int kFeTileM = 64;          // rows of an expert block per tiled-path unit
+constexpr int kFeTileN = 64;          // output columns per tiled-path block
+constexpr int kFeSmallMaxRows = 8;    // rows per small-path unit (1, 2, 4 or 8, from T)
+
+struct FusedExpertsArgs {
+  const void* x;              // [T, H] bf16, rows ldx elements apart, unit stride along H
+  int64_t ldx;
+  const void* w13;            // standard layout, contiguous: bf16/f8 [E, 2I, H], mxfp4 u8 [E, 2I, H/2]
+  const void* w2;             // bf16/f8 [E, H, I], mxfp4 u8 [E, H, I/2]
+  const void* w13_scale;      // fp8: f32 [E, ceil(2I/128), ceil(H/128)]; mxfp4: u8 [E, 2I, H/32]; bf16: null
+  const void* w2_scale;       // fp8: f32 [E, ceil(H/128), ceil(I/128)]; mxfp4: u8 [E, H, I/32]; bf16: null
+  const void* w13_bias;       // nullable: [E, 2I] contiguous, f32 or bf16 (w13_bias_bf16)
+  const void* w2_bias;        // nullable: [E, H]
+  bool w13_bias_bf16, w2_bias_bf16;
+  const float* topk_weights;  // [T, K] at topk_weights + t*ldw_t + j*ldw_k
+  int64_t ldw_t, ldw_k;
+  const int32_t* topk_ids;    // [T, K] at topk_ids + t*ldi_t + j*ldi_k; -1 drops the slot
+  int64_t ldi_t, ldi_k;
+  int quant;                  // FeQuant
+  int activation;             // FeActivation
+  float alpha, limit;         // swiglu_oai
+  int64_t T, K, E, H, I;
+  int policy;                 // FePolicy
+  int64_t m_cross;
+  uint16_t* out;              // [T, H] bf16, contiguous
+  void* workspace;            // fused_experts_workspace_bytes(T, K, E, H, I) bytes, 256-byte aligned
+  int64_t workspace_bytes;
+};
+// Workspace of one call: the row grouping (permute's workspace, whose first
+// kPermuteStatusWords int32 are the status block: [0] = 1 when an id is outside
+// [-1, E), the value at [2, 3]), offsets, src_row, dst_pos, the work lists, and the
+// intermediates h [T*K, 2I] bf16, a [T*K, I] bf16 and y [T*K, H] f32 (rows padded to 16 bytes).
+int64_t fused_experts_workspace_bytes(int64_t T, int64_t K, int64_t E, int64_t H, int64_t I);
+int fused_experts_launch(const FusedExpertsArgs& args, Stream stream);
+
 }  // namespace moelab::gpu

@@ -12,6 +12,9 @@
 //                    even (narrowing), identical to csrc/common/formats.h (the CPU's), so a
 //                    kernel rounds an output bit-for-bit like the CPU kernel does
 //   mul_rn/add_rn    f32 multiply / add that the compiler may NOT fuse into an FMA
+//   div_rn           f32 division rounded once (never an approximation)
+//   round_bf16       an f32 rounded to bf16 (RNE) and widened back (one cvt on sm_80+)
+//   mma_bf16_16816   CUDA sm_80+ only (MOELAB_HAS_MMA_BF16): one m16n8k16 bf16 tensor-core MMA
 //   Stream, Status   the stream handle and the launchers' return code (launch.h)
 //
 // The AMD wave size is fixed at 64: the host side of a launch cannot see the device
@@ -228,6 +231,52 @@ MOELAB_DEV float add_rn(float a, float b) {
   return __fadd_rn(a, b);
 #endif
 }
+
+// f32 division rounded once (nvcc: __fdiv_rn, never the approximate division of fast-math;
+// clang/HIP: its default f32 division is the correctly rounded one).
+MOELAB_DEV float div_rn(float a, float b) {
+#if MOELAB_HIP
+  return a / b;
+#else
+  return __fdiv_rn(a, b);
+#endif
+}
+
+// f rounded to bf16 (round to nearest even), returned as the f32 of that bf16. CUDA sm_80+:
+// one cvt.rn.bf16.f32; elsewhere the integer rounding of f32_bf16. The same value for every
+// input; only a NaN's payload may differ (the hardware returns the canonical NaN).
+MOELAB_DEV float round_bf16(float f) {
+#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  unsigned short h;
+  asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
+  return __uint_as_float(uint32_t(h) << 16);
+#else
+  return bf16_f32(f32_bf16(f));
+#endif
+}
+
+// ------------------------------------------------------------------------ tensor cores
+// MOELAB_HAS_MMA_BF16: 1 while compiling device code for CUDA sm_80 or newer, where
+// mma_bf16_16816 is one warp-wide mma.sync.m16n8k16 (bf16 inputs, f32 accumulators):
+//   d[0..3] += A(16x16, row-major) . B(16x8, "col": B[k][n] = W[n][k]), fragments as in the
+//   PTX ISA: a[0] = A[g][2c..2c+1], a[1] = A[g+8][2c..], a[2] = A[g][2c+8..], a[3] = A[g+8][2c+8..];
+//   b[0] = B[2c..2c+1][g], b[1] = B[2c+8..][g]; d[0..1] = D[g][2c..2c+1], d[2..3] = D[g+8][2c..]
+//   (g = lane / 4, c = lane % 4; the lower k of a pair in the low 16 bits).
+// The order in which the hardware adds the 16 products into d is not specified: results are
+// deterministic on one GPU model but not the order of a scalar loop. 0 on HIP, in the
+// emulator and in host passes, where kernels take their SIMT branch.
+#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MOELAB_HAS_MMA_BF16 1
+MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+#else
+#define MOELAB_HAS_MMA_BF16 0
+#endif
 
 }  // namespace moelab::gpu
 

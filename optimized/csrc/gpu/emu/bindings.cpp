@@ -133,6 +133,56 @@ py::tuple skinny_gemm(const at::Tensor& x, const at::Tensor& w, const std::optio
   (void)n_cu;
   return py::make_tuple(st, out);
 }
+// fused_experts: the launcher on CPU tensors. ws_bytes < 0: exactly the size the launcher asks
+// for (filled with garbage, as reused memory); quant: 0 bf16, 1 fp8_block, 2 mxfp4 (FeQuant).
+// Returns (status, out [T, H] bf16 poisoned with NaN before the call, the 4 status words).
+py::tuple fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& tw,
+                        const at::Tensor& ids, int64_t quant, const std::optional<at::Tensor>& s13,
+                        const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& b13,
+                        const std::optional<at::Tensor>& b2, int64_t act, double alpha, double limit, int64_t policy,
+                        int64_t m_cross, int64_t E, int64_t I, int64_t ws_bytes) {
+  const int64_t T = x.size(0), H = x.size(1), K = ids.size(1);
+  at::Tensor out = poison({T, H}, at::kBFloat16);
+  const int64_t need = gpu::fused_experts_workspace_bytes(T, K, E, H, I);
+  if (ws_bytes < 0) ws_bytes = need;
+  at::Tensor ws = at::full({std::max<int64_t>(ws_bytes, 16) + 256}, 0x5a, at::kByte);
+  char* base = static_cast<char*>(ws.data_ptr());
+  base += (256 - reinterpret_cast<uintptr_t>(base) % 256) % 256;   // the launcher wants 256-byte alignment
+  gpu::FusedExpertsArgs a{};
+  a.x = x.data_ptr();
+  a.ldx = T > 1 ? x.stride(0) : H;
+  a.w13 = w13.data_ptr();
+  a.w2 = w2.data_ptr();
+  a.w13_scale = s13 ? s13->data_ptr() : nullptr;
+  a.w2_scale = s2 ? s2->data_ptr() : nullptr;
+  a.w13_bias = b13 ? b13->data_ptr() : nullptr;
+  a.w2_bias = b2 ? b2->data_ptr() : nullptr;
+  a.w13_bias_bf16 = b13 && b13->scalar_type() == at::kBFloat16;
+  a.w2_bias_bf16 = b2 && b2->scalar_type() == at::kBFloat16;
+  a.topk_weights = tw.data_ptr<float>();
+  a.ldw_t = tw.stride(0);
+  a.ldw_k = tw.stride(1);
+  a.topk_ids = ids.data_ptr<int32_t>();
+  a.ldi_t = ids.stride(0);
+  a.ldi_k = ids.stride(1);
+  a.quant = int(quant);
+  a.activation = int(act);
+  a.alpha = float(alpha);
+  a.limit = float(limit);
+  a.T = T;
+  a.K = K;
+  a.E = E;
+  a.H = H;
+  a.I = I;
+  a.policy = int(policy);
+  a.m_cross = m_cross;
+  a.out = reinterpret_cast<uint16_t*>(out.data_ptr());
+  a.workspace = base;
+  a.workspace_bytes = ws_bytes;
+  const int st = gpu::fused_experts_launch(a, nullptr);
+  at::Tensor status = at::from_blob(base, {4}, at::kInt).clone();
+  return py::make_tuple(st, out, status);
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -144,5 +194,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpermute", &unpermute);
   m.def("router_gemm", &router_gemm);
   m.def("skinny_gemm", &skinny_gemm);
+  m.def("fused_experts", &fused_experts);
+  m.def("fused_experts_workspace_bytes", &gpu::fused_experts_workspace_bytes);
   m.attr("has_wave64") = bool(MOELAB_HIP);
 }

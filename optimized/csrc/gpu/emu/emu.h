@@ -124,6 +124,7 @@ inline int __popc(unsigned m) { return __builtin_popcount(m); }
 inline int __ffs(int m) { return __builtin_ffs(m); }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
 inline float __fadd_rn(float a, float b) { volatile float r = a + b; return r; }
+inline float __fdiv_rn(float a, float b) { volatile float r = a / b; return r; }
 struct __half { uint16_t x; };
 inline __half __ushort_as_half(uint16_t h) { return {h}; }
 inline uint16_t __half_as_ushort(__half h) { return h.x; }
