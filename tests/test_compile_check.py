@@ -80,3 +80,33 @@ def test_compile_check_fails_on_a_spill(tmp_path):
                    "x.cu:1:1: remark:     VGPRs Spill: 12 [-Rpass-analysis=kernel-resource-usage]\n")
     rows = cc.parse_amdgpu(cc.Job("hipcc", Path("x.cu"), "gfx90a", amd, tmp_path / "x.o"))
     assert len(rows) == 1 and rows[0].spill_bytes == 12 and rows[0].sgpr_spill == 3 and rows[0].stack_bytes == 64
+
+
+def test_gpu_bindings_parse_against_torch_headers(tmp_path):
+    """The CUDA-key bindings (csrc/torch_gpu/*.cpp) only build with a CUDA torch, which CI
+    lacks; so each is at least parsed (g++ -fsyntax-only) against the installed torch's
+    headers and the CUDA toolkit's, which catches a binding left behind by a change to the
+    shared checks (csrc/torch/checks.h) or the launcher API (csrc/gpu/launch.h). The CPU build
+    of torch ships c10/cuda without its generated cuda_cmake_macros.h: an empty one stands in."""
+    if COMPILERS["nvcc"] is None:
+        pytest.skip("nvcc is not installed here, so neither are the CUDA headers (CI installs both)")
+    import re
+    from torch.utils import cpp_extension
+    (tmp_path / "e.cu").write_text("")
+    dry = subprocess.run([COMPILERS["nvcc"], "--dryrun", "-c", str(tmp_path / "e.cu")], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, timeout=120).stdout
+    cuda_inc = [m for m in re.findall(r'INCLUDES="-I([^"]+)"', dry) if (Path(m) / "cuda_runtime.h").exists()]
+    assert cuda_inc, f"nvcc --dryrun names no include folder with cuda_runtime.h:\n{dry[-1500:]}"
+    shim = tmp_path / "c10" / "cuda" / "impl"
+    shim.mkdir(parents=True)
+    (shim / "cuda_cmake_macros.h").write_text("#pragma once\n")
+    incs = [f"-I{tmp_path}"] + [f"-I{p}" for p in cpp_extension.include_paths()] + [f"-I{cuda_inc[0]}"]
+    sources = sorted((ROOT / "optimized/csrc/torch_gpu").glob("*.cpp"))
+    assert len(sources) >= 6
+    bad = []
+    for src in sources:
+        p = subprocess.run(["g++", "-std=c++17", "-fsyntax-only", *incs, str(src)], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, text=True, timeout=600)
+        if p.returncode != 0:
+            bad.append(f"{src.name}:\n{p.stdout[-2000:]}")
+    assert not bad, "\n".join(bad)
