@@ -22,8 +22,10 @@ from .fused_experts import PackedMoEWeights, fused_experts, prepack_moe_weights 
 
 
 def backend_info() -> dict[str, str]:
-    """ISA of the CPU (detected), the level in use (active) and the level each op runs at."""
-    return dict(item.split(":", 1) for item in torch.ops.moelab.backend_info())
+    """ISA of the CPU (detected), the level in use (active) and the level each op runs at;
+    "sanitize": the sanitizers when this is the sanitized build (MOELAB_SANITIZE=1)."""
+    info = dict(item.split(":", 1) for item in torch.ops.moelab.backend_info())
+    return {**info, "sanitize": _build.SANITIZERS} if _build.SANITIZE else info
 
 
 def set_isa(name: str) -> None:

@@ -1,0 +1,105 @@
+"""`make sanitize` can fail: negative controls for the AddressSanitizer + UBSan build.
+
+The sanitized extension (MOELAB_SANITIZE=1, optimized/_build.py) alone contains three
+deliberate bugs, ops of the `moelab_test` namespace (optimized/csrc/testing/
+sanitizer_controls.cpp): a read one element past a tensor's end, a signed 32-bit overflow
+and a misaligned int32 load. Each runs here in a subprocess with the environment of
+scripts/sanitize.py (runtimes preloaded, every report fatal), which must die with the
+sanitizer's report naming the bug; the same ops with harmless arguments must succeed, so the
+failures come from the bugs and not from the setup.
+
+The first test builds the sanitized extension into build/cpu-sanitize/ (minutes from nothing,
+once; ninja makes every later build a no-op). The tests skip only when the C++ compiler has no
+sanitizer runtimes (libasan, libubsan), and say which is missing.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("moelab_sanitize_script", ROOT / "scripts" / "sanitize.py")
+sanitize = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(sanitize)
+
+_, MISSING = sanitize.runtimes()
+needs_runtimes = pytest.mark.skipif(MISSING is not None, reason=f"no sanitizer runtimes: {MISSING}")
+
+
+def _run(code: str, env: dict[str, str] | None = None, timeout: float = 3600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env=sanitize.sanitizer_env() if env is None else env)
+
+
+@pytest.fixture(scope="module")
+def sanitized():
+    """Build (if needed) and load the sanitized extension once; its backend_info()."""
+    p = _run("import json, optimized; print(json.dumps(optimized.backend_info()))")
+    assert p.returncode == 0, p.stderr[-6000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@needs_runtimes
+def test_sanitized_build_is_separate_and_says_so(sanitized):
+    assert sanitized["sanitize"] == "address,undefined"
+    p = _run("from optimized import _build; print(_build.NAME, _build.build_dir().name)")
+    assert p.returncode == 0 and p.stdout.split() == ["moelab_cpu_sanitize", "cpu-sanitize"], p.stderr[-3000:]
+
+
+@needs_runtimes
+def test_controls_pass_with_harmless_arguments(sanitized):
+    p = _run("import torch, optimized; t = torch.ops.moelab_test\n"
+             "print(t.int32_add(2, 3), t.load_int32_at(torch.tensor([1, 0, 0, 0, 7, 0, 0, 0], dtype=torch.uint8), 4))")
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert p.stdout.split() == ["5", "7"]
+
+
+@needs_runtimes
+def test_asan_reports_heap_buffer_overflow(sanitized):
+    p = _run("import torch, optimized; print(torch.ops.moelab_test.oob_read(torch.ones(5)))")
+    assert p.returncode != 0, "the out-of-bounds read was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in p.stderr, p.stderr[-6000:]
+    assert "READ of size 4" in p.stderr and "in oob_read" in p.stderr and "sanitizer_controls.cpp" in p.stderr, \
+        p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_ubsan_reports_signed_overflow(sanitized):
+    p = _run("import torch, optimized; print(torch.ops.moelab_test.int32_add(2**31 - 1, 1))")
+    assert p.returncode != 0, "the signed overflow was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "runtime error: signed integer overflow: 2147483647 + 1" in p.stderr, p.stderr[-6000:]
+    assert "sanitizer_controls.cpp" in p.stderr, p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_ubsan_reports_misaligned_load(sanitized):
+    p = _run("import torch, optimized\n"
+             "print(torch.ops.moelab_test.load_int32_at(torch.zeros(16, dtype=torch.uint8), 1))")
+    assert p.returncode != 0, "the misaligned load was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "runtime error: load of misaligned address" in p.stderr, p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_sanitized_build_refuses_to_load_without_the_runtime(sanitized):
+    env = sanitize.sanitizer_env()
+    env.pop("LD_PRELOAD")
+    p = _run("import optimized", env=env, timeout=600)
+    assert p.returncode != 0 and "AddressSanitizer runtime is not loaded" in p.stderr, p.stderr[-3000:]
+
+
+def test_normal_build_has_no_controls(monkeypatch, tmp_path):
+    import torch
+
+    import optimized  # noqa: F401  (this process's build, loaded before SANITIZE is patched)
+    from optimized import _build
+    if not _build.SANITIZE:
+        assert not hasattr(torch.ops.moelab_test, "oob_read")
+    monkeypatch.setattr(_build, "SANITIZE", False)
+    assert not any("testing" in Path(s).parts for s in _build.sources(tmp_path))
+    monkeypatch.setattr(_build, "SANITIZE", True)
+    assert any(Path(s).name == "sanitizer_controls.cpp" for s in _build.sources(tmp_path))
