@@ -13,9 +13,13 @@
 #    measured copy bandwidth and launch cost as floors (fused_experts: decode weight-read
 #    bandwidth vs the copy bandwidth, the path crossover, one prefill point)
 #                                                   -> $OUT/gpu_bench.csv, gpu_env.csv
-# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (200 + 90 +
-# 110 + 80 s = 8 minutes at most on an H200); a failing step is recorded and the next one
-# still runs; the exit status is non-zero if any step failed.
+# 6. compute-sanitizer over short verify runs of the GPU ops: memcheck (out-of-bounds and
+#    misaligned accesses, errors of CUDA calls) and racecheck (shared-memory hazards); where
+#    the machine has no compute-sanitizer the log and $OUT/sanitizer.txt say so plainly
+#                                                   -> $OUT/memcheck/, $OUT/racecheck/
+# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (180 + 75 +
+# 75 + 75 + 45 + 30 s = 8 minutes at most on an H200); a failing step is recorded and the
+# next one still runs; the exit status is non-zero if any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -39,7 +43,10 @@ run_step() {   # run_step NAME SECONDS CMD...
   local name=$1 secs=$2; shift 2
   step "$name (limit ${secs} s)"
   if timeout --kill-after=10 "$secs" "$@"; then echo "-- $name: ok"; else
-    local rc=$?; echo "-- $name: FAILED (exit $rc)"; failed+=("$name"); fi
+    local rc=$?
+    if (( rc == 124 || rc == 137 )); then echo "-- $name: FAILED: ran past its ${secs} s limit"
+    else echo "-- $name: FAILED (exit $rc)"; fi
+    failed+=("$name"); fi
 }
 
 step "environment"
@@ -52,7 +59,7 @@ step "environment"
   git log -1 --format='commit %H %s' 2>/dev/null || true
 } | tee "$OUT/env.txt"
 
-run_step build 200 $PY -c "
+run_step build 180 $PY -c "
 import time; t = time.time()
 import optimized
 from optimized import gpu
@@ -62,9 +69,29 @@ print('built and loaded in %.0f s:' % (time.time() - t), optimized.backend_info(
 if [[ " ${failed[*]-} " == *" build "* ]]; then
   echo "build failed: nothing else can run"; exit 1
 fi
-run_step opcheck 90 $PY scripts/gpu_opcheck.py --out "$OUT"
-run_step verify 110 $PY -m verify --backends cuda --budget 80 --report "$OUT/verify"
-run_step bench 80 $PY -m experiments.gpu_bench --out "$OUT"
+run_step opcheck 75 $PY scripts/gpu_opcheck.py --out "$OUT"
+run_step verify 75 $PY -m verify --backends cuda --budget 55 --report "$OUT/verify"
+run_step bench 75 $PY -m experiments.gpu_bench --out "$OUT"
+
+# compute-sanitizer: every kernel launch of a short verify run is instrumented; any error
+# report fails the step (--error-exitcode). Short budgets: instrumented kernels run 10-100x
+# slower, and torch's own start-up under the tool takes a while.
+SAN=$(command -v compute-sanitizer || true)
+[[ -z "$SAN" && -n "${CUDA_HOME:-}" && -x "$CUDA_HOME/bin/compute-sanitizer" ]] && SAN="$CUDA_HOME/bin/compute-sanitizer"
+[[ -z "$SAN" && -x /usr/local/cuda/bin/compute-sanitizer ]] && SAN=/usr/local/cuda/bin/compute-sanitizer
+if [[ -n "$SAN" ]] && $PY -c "import torch, sys; sys.exit(0 if torch.version.cuda else 1)"; then
+  echo "compute-sanitizer: $SAN ($("$SAN" --version 2>/dev/null | tail -1))" | tee "$OUT/sanitizer.txt"
+  run_step memcheck 45 "$SAN" --tool memcheck --error-exitcode 9 --print-limit 20 \
+    $PY -m verify --backends cuda --budget 12 --no-corpus --quiet \
+    --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/memcheck/verify"
+  run_step racecheck 30 "$SAN" --tool racecheck --error-exitcode 9 --print-limit 20 \
+    $PY -m verify --backends cuda --budget 6 --no-corpus --quiet \
+    --ops route,permute,fused_experts --report "$OUT/racecheck/verify"
+else
+  echo "compute-sanitizer: NOT RUN: no compute-sanitizer on this machine (PATH, CUDA_HOME/bin) or not a" \
+       "CUDA build of torch (ROCm has no equivalent here); memcheck and racecheck were not checked" \
+    | tee "$OUT/sanitizer.txt"
+fi
 
 step "done in $(( $(date +%s) - start )) s"
 if (( ${#failed[@]} )); then echo "FAILED steps: ${failed[*]}"; exit 1; fi
