@@ -85,6 +85,7 @@
 //     small path, which re-reads the weights for every unit of 8 rows.
 #include <type_traits>
 
+#include "block_scan.cuh"
 #include "gemv.cuh"
 #include "launch.h"
 
@@ -229,26 +230,6 @@ MOELAB_DEV void load_act8(const uint16_t* row, int64_t k, int64_t K, float (&x)[
 }
 
 // ------------------------------------------------------------------------------- plan
-// Exclusive scan of one int64 per thread over the block; *total = the block's sum.
-MOELAB_DEV int64_t block_scan(int64_t v, int64_t* warp_sums, int64_t* total) {
-  const int lane = lane_id(), warp = warp_id(), nw = int(blockDim.x) / kWarp;
-  int64_t incl = v;
-#pragma unroll
-  for (int off = 1; off < kWarp; off <<= 1) {
-    const int64_t o = int64_t(shfl_idx(uint64_t(incl), lane >= off ? lane - off : lane));
-    if (lane >= off) incl += o;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = incl;
-  __syncthreads();
-  int64_t before = 0, all = 0;
-  for (int w = 0; w < nw; ++w) {
-    before += w < warp ? warp_sums[w] : 0;
-    all += warp_sums[w];
-  }
-  __syncthreads();
-  *total = all;
-  return before + incl - v;
-}
 
 // Work units of both paths, in expert order: small[i] / tiled[i] = (expert, chunk index);
 // counts[0], counts[1] = how many. Unit counts per path fit 32 bits (<= T*K < 2^31), so the
@@ -270,7 +251,7 @@ fe_plan(const int64_t* __restrict__ offsets, int64_t E, int policy, int64_t m_cr
       }
     }
     int64_t total;
-    const int64_t before = carry + block_scan(ns | (nt << 32), warp_sums, &total);
+    const int64_t before = carry + block_exclusive_scan(ns | (nt << 32), warp_sums, &total);
     const int64_t bs = before & 0xffffffffLL, bt = before >> 32;
     for (int64_t u = 0; u < ns; ++u) {
       small[2 * (bs + u)] = int32_t(e);
@@ -374,14 +355,7 @@ fe_small(FeGemm g) {
       }
     }
     warp_reduce_multi<NV>(acc);
-    const int lane = lane_id(), warp = warp_id();
-    if constexpr (NV >= kWarp) {
-#pragma unroll
-      for (int j = 0; j < NV / kWarp; ++j) red[warp * NV + lane * (NV / kWarp) + j] = acc[j];
-    } else {
-      constexpr int shift = kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
-      if ((lane & ((1 << shift) - 1)) == 0) red[warp * NV + (lane >> shift)] = acc[0];
-    }
+    stash_warp_sums<NV>(acc, red);
     __syncthreads();
     for (int i = threadIdx.x; i < NV; i += kSmallThreads) {
       float s = red[i];

@@ -71,6 +71,20 @@ MOELAB_DEV void warp_reduce_multi(float (&v)[N]) {
   warp_reduce_level<N, N, kWarp / 2>(v, lane_id());
 }
 
+// After warp_reduce_multi<NV>: this warp's NV sums go to red[warp * NV .. + NV) (the lanes
+// that hold them write them), for a fixed-order sum over the warps after a barrier.
+template <int NV>
+MOELAB_DEV void stash_warp_sums(const float (&acc)[NV], float* red) {
+  const int lane = lane_id(), warp = warp_id();
+  if constexpr (NV >= kWarp) {
+#pragma unroll
+    for (int j = 0; j < NV / kWarp; ++j) red[warp * NV + lane * (NV / kWarp) + j] = acc[j];
+  } else {
+    constexpr int shift = kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
+    if ((lane & ((1 << shift) - 1)) == 0) red[warp * NV + (lane >> shift)] = acc[0];
+  }
+}
+
 // The block's TB x ROWS sums, reduced to shared memory red_out[t * ROWS + r] (valid after
 // the function returns; it ends with a barrier). Rows n0 + r >= N read as zero.
 template <int TB, int ROWS, Fmt XF, Fmt WF, bool VEC>
@@ -126,14 +140,7 @@ MOELAB_DEV void gemv_block(const void* __restrict__ x, int64_t ldx, const void* 
   }
 
   warp_reduce_multi<NV>(acc);
-  const int lane = lane_id(), warp = warp_id();
-  if constexpr (NV >= kWarp) {
-#pragma unroll
-    for (int j = 0; j < NV / kWarp; ++j) red[warp * NV + lane * (NV / kWarp) + j] = acc[j];
-  } else {
-    constexpr int shift = kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
-    if ((lane & ((1 << shift) - 1)) == 0) red[warp * NV + (lane >> shift)] = acc[0];
-  }
+  stash_warp_sums<NV>(acc, red);
   __syncthreads();
   for (int i = threadIdx.x; i < NV; i += kGemvThreads) {
     float s = red[i];

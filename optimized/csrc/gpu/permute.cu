@@ -33,6 +33,7 @@
 // L2) and capacity*H*e out; Mixtral decode (T = 8, K = 2, H = 4096, bf16): ~0.2 MB, far
 // below a launch, so the floor is the launches (2 here) and the allocation-free scratch is
 // what seed 003 measures. unpermute reads T*K*H*e and writes T*H*e.
+#include "block_scan.cuh"
 #include "launch.h"
 #include "portability.h"
 
@@ -147,27 +148,6 @@ MOELAB_DEV void unit_scatter(const PermuteArgs& a, int32_t* ws, int32_t* hist, i
   }
 }
 
-// Exclusive scan of one int64 per thread over the block (blockDim.x a multiple of kWarp);
-// returns the thread's exclusive prefix, *total gets the block's sum.
-MOELAB_DEV int64_t block_exclusive_scan(int64_t v, int64_t* warp_sums, int64_t* total) {
-  const int lane = lane_id(), warp = warp_id(), nw = int(blockDim.x) / kWarp;
-  int64_t incl = v;
-#pragma unroll
-  for (int off = 1; off < kWarp; off <<= 1) {
-    const int64_t o = int64_t(shfl_idx(uint64_t(incl), lane >= off ? lane - off : lane));
-    if (lane >= off) incl += o;
-  }
-  if (lane == kWarp - 1) warp_sums[warp] = incl;
-  __syncthreads();
-  int64_t before = 0, all = 0;
-  for (int w = 0; w < nw; ++w) {
-    before += w < warp ? warp_sums[w] : 0;
-    all += warp_sums[w];
-  }
-  __syncthreads();                                       // warp_sums reusable afterwards
-  *total = all;
-  return before + incl - v;
-}
 
 // Step 2 (one block): offsets, per-unit start positions, status reset and map check.
 MOELAB_DEV void scan_units(const PermuteArgs& a, int32_t* ws, int64_t U, int64_t* warp_sums) {
