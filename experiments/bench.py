@@ -1,9 +1,15 @@
-"""`python -m experiments.bench [--ops route,permute,...] [--quick] [--csv PATH]`
+"""`python -m experiments.bench [--ops route,permute,...] [--quick] [--repeat N] [--csv PATH]`
 
 Times each optimized op against the eager-PyTorch way a user would write it, side by side in
 one run (experiments.timing.compare), and prints one table: median time of each, the
 speedup (median of per-round ratios, with its min..max), the achieved GB/s and the fraction
 of the read bandwidth measured in the same run (the memory floor).
+
+--repeat N runs the whole table N times (each with its own bandwidth measurement) and adds a
+summary: per point, the median of the N runs' speedups, their min..max, and in how many runs
+the target was met. On a shared machine the memory bandwidth itself moves between runs (we
+have seen 43 to 65 GB/s within minutes), and a weight-streaming kernel gains more from it
+than a library call at half the floor does, so one run is not a verdict.
 
 Cases live in experiments/cases_<op>.py; each module defines `cases(quick) -> list[Case]`.
 """
@@ -42,6 +48,7 @@ def discover() -> dict[str, Callable[[bool], list[Case]]]:
 
 
 def run(ops: list[str], quick: bool, rounds: int) -> list[dict]:
+    timing._read_bw = None                  # measured anew for every run
     bw = timing.read_bandwidth()
     rows = []
     for op in ops:
@@ -55,9 +62,26 @@ def run(ops: list[str], quick: bool, rounds: int) -> list[dict]:
                 "ours_iqr_us": t["ours"].iqr * 1e6,
                 "speedup": sp, "speedup_min": lo, "speedup_max": hi,
                 "target": case.target, "GBps": case.nbytes / ours / 1e9,
-                "floor_frac": case.nbytes / ours / bw,
+                "floor_frac": case.nbytes / ours / bw, "read_GBps": bw / 1e9,
             })
     return rows
+
+
+def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
+    """Per point over the runs: median speedup, min..max of the runs' speedups, target met."""
+    import statistics
+    n = len(runs)
+    bws = [r[0]["read_GBps"] for r in runs if r]
+    print(f"\n# {n} runs; read bandwidth per run: {', '.join(f'{b:.1f}' for b in bws)} GB/s", file=file)
+    hdr = f"{'op':<14}{'point':<34}{'speedup median':>16}{'runs min..max':>16}{'target':>8}{'met':>8}"
+    print(hdr, file=file)
+    print("-" * len(hdr), file=file)
+    for i, r0 in enumerate(runs[0]):
+        sp = [run[i]["speedup"] for run in runs]
+        tgt = r0["target"]
+        met = "" if tgt is None else f"{sum(v >= tgt for v in sp)}/{n}"
+        print(f"{r0['op']:<14}{r0['shape']:<34}{statistics.median(sp):>15.2f}x"
+              f"{f'{min(sp):.2f}..{max(sp):.2f}':>16}{'' if tgt is None else f'{tgt:g}':>8}{met:>8}", file=file)
 
 
 def print_table(rows: list[dict], file=sys.stdout) -> None:
@@ -81,7 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer rounds and points")
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--csv", default=None, help="also write the rows to this CSV file")
+    p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
+    p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     known = discover()
@@ -89,13 +114,23 @@ def main(argv=None) -> int:
     bad = [o for o in ops if o not in known]
     if bad:
         p.error(f"unknown op(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
-    rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7))
-    print_table(rows)
+    runs = []
+    for k in range(max(1, a.repeat)):
+        rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7))
+        for r in rows:
+            r["run"] = k
+        if a.repeat > 1:
+            print(f"\n## run {k + 1} of {a.repeat}")
+        print_table(rows)
+        runs.append(rows)
+    if a.repeat > 1:
+        print_summary(runs)
     if a.csv:
         with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w = csv.DictWriter(f, fieldnames=list(runs[0][0]))
             w.writeheader()
-            w.writerows(rows)
+            for rows in runs:
+                w.writerows(rows)
     return 0
 
 
