@@ -167,7 +167,7 @@ def markdown(res: RunResult) -> str:
             "inside two random batches of other tokens (2-96 tokens, across the dispatchers' crossovers), under every "
             "dispatch policy for fused_experts. `mode`: under optimized.batch_invariant_mode(True) only; `always`: "
             "also outside it (invariant by construction). docs/batch_invariance.md says which path is which.", "",
-            "| op | backend | cases checked | checked | failures |", "|---|---|---|---|---|"]
+            "| op | backend | cases checked | modes | failures |", "|---|---|---|---|---|"]
     agg_bi = defaultdict(lambda: [0, 0])
     for c in res.cells:
         agg_bi[(c.op, c.backend)][0] += c.bi_checks
