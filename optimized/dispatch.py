@@ -372,20 +372,44 @@ def tune_file():
 
 
 def _read_tuning() -> tuple[dict, str]:
+    """m_cross per format from the tune file, for this process's torch thread count.
+
+    The file keeps one entry per way it was measured: "threads=N" (wall clock on N threads)
+    and "cpu" (one thread's CPU time, which does not depend on the thread count). The entry
+    for the current torch.get_num_threads() wins, then "cpu", then the entry measured on the
+    nearest thread count (the reason says which). A file of the first format (one
+    "m_cross" table, no keys) counts as measured on its "threads"."""
     import json
+
+    import torch
     try:
         path = tune_file()
-        data = json.loads(path.read_text())
-        tuned = {q: v for q, v in data.get("fused_experts", {}).get("m_cross", {}).items()
-                 if isinstance(v, int) and 1 <= v <= 1 << 20}
-        return tuned, f"tuned ({path.name})"
+        data = json.loads(path.read_text()).get("fused_experts", {})
     except (OSError, ValueError, AttributeError):
         return {}, "default (no tune file)"
+    entries = dict(data.get("by_clock", {})) if isinstance(data.get("by_clock"), dict) else {}
+    if not entries and isinstance(data.get("m_cross"), dict):
+        entries = {f"threads={data.get('threads', 1)}" if data.get("clock", "wall") == "wall" else "cpu": data}
+    n = torch.get_num_threads()
+
+    def threads_of(key: str) -> int:
+        return int(key.split("=", 1)[1]) if key.startswith("threads=") and key[8:].isdigit() else 1 << 30
+
+    keys = [k for k in entries if isinstance(entries[k], dict) and isinstance(entries[k].get("m_cross"), dict)]
+    if not keys:
+        return {}, "default (no usable entry in the tune file)"
+    key = (f"threads={n}" if f"threads={n}" in keys else "cpu" if "cpu" in keys
+           else min(keys, key=lambda k: abs(threads_of(k) - n)))
+    tuned = {q: v for q, v in entries[key]["m_cross"].items() if isinstance(v, int) and 1 <= v <= 1 << 20}
+    how = "one thread's CPU time" if key == "cpu" else f"{threads_of(key)} threads"
+    note = "" if key in (f"threads={n}", "cpu") else f", this process has {n}"
+    return tuned, f"tuned ({path.name}, {how}{note})"
 
 
 def reload_tuning() -> None:
-    """Re-read the tune file (after `python -m optimized.tune` wrote a new one). It is read
-    once at import, never inside a call, so torch.compile can trace fused_experts."""
+    """Re-read the tune file (after `python -m optimized.tune` wrote a new one, or after
+    torch.set_num_threads: the entry is chosen by thread count). It is read once at import,
+    never inside a call, so torch.compile can trace fused_experts."""
     global _tuned, _tuned_src
     _tuned, _tuned_src = _read_tuning()
 

@@ -10,7 +10,9 @@ smallest m from which `blocked` is at least as fast as `tiny` at every larger me
 `auto` then takes blocked for a block of m rows iff m >= m_cross.
 
 The result goes to optimized.dispatch.tune_file() (~/.cache/moelab/tune-<cpu>.json, or
-$MOELAB_CACHE_DIR), outside the repository: it describes this machine, not the code.
+$MOELAB_CACHE_DIR), outside the repository: it describes this machine, not the code. The file
+keeps one entry per way of measuring ("threads=N" for the wall clock on N threads, "cpu" for
+--clock cpu); `auto` uses the entry of the process's torch thread count (dispatch._read_tuning).
 """
 from __future__ import annotations
 
@@ -148,9 +150,15 @@ def main(argv=None) -> int:
             data = json.loads(path.read_text())
         except ValueError:
             data = {}
-    old = data.get("fused_experts", {}).get("m_cross", {})
+    # One entry per way of measuring (dispatch._read_tuning picks by the thread count);
+    # formats not measured now keep their earlier value in the same entry.
+    key = "cpu" if a.clock == "cpu" else f"threads={a.threads}"
+    fe = data.get("fused_experts", {})
+    entries = fe.get("by_clock", {}) if isinstance(fe.get("by_clock"), dict) else {}
+    old = entries.get(key, {}).get("m_cross", {})
     result["m_cross"] = {**old, **result["m_cross"]}
-    data["fused_experts"] = result
+    entries[key] = result
+    data["fused_experts"] = {"by_clock": entries}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1))
     dispatch.reload_tuning()

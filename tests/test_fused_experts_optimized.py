@@ -611,6 +611,34 @@ def test_explain_counts(tmp_path, monkeypatch):
         dispatch.reload_tuning()
 
 
+def test_tune_file_entry_follows_the_thread_count(tmp_path, monkeypatch):
+    """One tune entry per way of measuring; auto takes the one of the current thread count,
+    then the CPU-time one, then the nearest thread count (and says so)."""
+    monkeypatch.setenv("MOELAB_CACHE_DIR", str(tmp_path))
+    threads = torch.get_num_threads()
+    entries = {"threads=1": {"m_cross": {"bf16": 3}}, "threads=2": {"m_cross": {"bf16": 2}}, "cpu": {"m_cross": {"bf16": 7}}}
+
+    def m_for(n, ent):
+        dispatch.tune_file().parent.mkdir(parents=True, exist_ok=True)
+        dispatch.tune_file().write_text(json.dumps({"fused_experts": {"by_clock": ent}}))
+        torch.set_num_threads(n)
+        dispatch.reload_tuning()
+        return dispatch.fused_experts_m_cross("bf16")
+
+    try:
+        assert m_for(2, entries)[0] == 2 and "2 threads" in m_for(2, entries)[1]
+        assert m_for(1, entries)[0] == 3
+        assert m_for(3, entries) == (7, m_for(3, entries)[1]) and "CPU time" in m_for(3, entries)[1]
+        no_cpu = {k: v for k, v in entries.items() if k != "cpu"}
+        m, why = m_for(3, no_cpu)
+        assert m == 2 and "this process has 3" in why
+        assert m_for(2, {})[0] == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["bf16"]
+    finally:
+        torch.set_num_threads(threads)
+        monkeypatch.delenv("MOELAB_CACHE_DIR")
+        dispatch.reload_tuning()
+
+
 def test_backend_info_and_compile():
     assert optimized.backend_info()["fused_experts"] in ISAS[:3] + ["avx512_bf16"]
     x, w13, w2, tw, ids, kw = make_case("mxfp4", "swiglu_oai", 4, 64, 32, 5, 2, seed=3)
