@@ -52,13 +52,17 @@ compile-check:
 
 # The CPU extension under AddressSanitizer + UBSan (scripts/sanitize.py says how): builds
 # moelab_cpu_sanitize into build/cpu-sanitize/ (-O1 -g1 -fsanitize=address,undefined
-# -fno-sanitize-recover=all), then the test suite (minus the notebook, nvcc/hipcc and GPU-emulator
-# tests, reasons in the script) and `python -m verify --budget $(SANITIZE_BUDGET)`, every Python
+# -fno-sanitize-recover=all), then the test suite (minus the notebook and nvcc/hipcc tests, reasons
+# in the script; the GPU-emulator tests run with the emulated kernels built sanitized too, into
+# build/gpu-emu{32,64}-sanitize/) and `python -m verify --budget $(SANITIZE_BUDGET)`, every Python
 # process with the compiler's libasan/libubsan preloaded and every report fatal.
-# tests/test_sanitize.py (in `make test` too) proves a planted heap overflow / UB makes it fail.
+# tests/test_sanitize.py (in `make test` too) proves a planted heap overflow / UB makes it fail,
+# in the CPU extension and in emulated GPU kernels.
 # Measured on this 2-core machine, shared with other jobs (load average 3-5): build from nothing
 # 140-240 s (a normal build: ~85 s), tests 296 s (1824 tests; 424 s at a busier moment), verify
-# 62 s; `make sanitize` from nothing 8.3 min. In CI after `make test` (.ci/run): ~10 min more
+# 62 s; `make sanitize` from nothing 8.3 min. The emulated GPU kernels add ~1 min of sanitized
+# build (both widths) and ~2.5 min of tests (test_gpu_emulated.py: 155 s against 56 s unsanitized),
+# so ~12 min from nothing. In CI after `make test` (.ci/run): ~12 min more
 # on top of make test's ~12 min here (the sanitized build happens once, in make test's
 # tests/test_sanitize.py), so the whole CI stays far below its 90-minute limit.
 sanitize: $(VENV)/.installed

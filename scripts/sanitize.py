@@ -1,4 +1,5 @@
-"""`make sanitize`: the CPU extension under AddressSanitizer + UndefinedBehaviorSanitizer.
+"""`make sanitize`: the CPU extension and the emulated GPU kernels under AddressSanitizer +
+UndefinedBehaviorSanitizer.
 
 Three steps, each timed, the first failure stops the run (exit status 1):
   1. build  MOELAB_SANITIZE=1: optimized/_build.py builds moelab_cpu_sanitize (the same
@@ -6,7 +7,9 @@ Three steps, each timed, the first failure stops the run (exit status 1):
             -fsanitize=address,undefined -fno-sanitize-recover=all -fno-omit-frame-pointer)
             into build/cpu-sanitize/, apart from the normal build/cpu/.
   2. tests  the test suite (pytest), minus the few tests listed in DESELECT (each with its
-            reason); every test that calls moelab_cpu runs.
+            reason); every test that calls moelab_cpu runs. tests/test_gpu_emulated.py runs
+            too: under MOELAB_SANITIZE=1, tests/gpu_emu.py builds the CUDA/HIP sources for the
+            SIMT emulator with the same sanitizer flags, into build/gpu-emu{32,64}-sanitize/.
   3. verify a short differential fuzzing run (python -m verify --budget N).
 
 Every step runs in a Python process with the compiler's sanitizer runtimes preloaded
@@ -48,9 +51,6 @@ DESELECT = [
     ("tests/test_compile_check.py::test_gpu_sources_compile_without_spills",
      "nvcc/hipcc device compilation of the GPU sources: no moelab_cpu code runs (make compile-check "
      "and make test cover it)"),
-    ("tests/test_gpu_emulated.py",
-     "builds and runs its own NON-sanitized extensions (the CUDA/HIP sources compiled for the CPU "
-     "SIMT emulator, tests/gpu_emu.py): nothing in them is instrumented, so the run would prove nothing"),
 ]
 
 

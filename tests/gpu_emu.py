@@ -1,7 +1,14 @@
 """Build and load the CPU-emulated GPU kernels (optimized/csrc/gpu/emu): the CUDA/HIP sources,
 unchanged, compiled by the host compiler with -DMOELAB_EMU, once with 32-lane warps (the CUDA
 branch of portability.h) and once with 64-lane wavefronts (the HIP branch, plus the ROCm-only
-wave64 skinny GEMM). Used by tests/test_gpu_emulated.py."""
+wave64 skinny GEMM). Used by tests/test_gpu_emulated.py.
+
+Under `make sanitize` (MOELAB_SANITIZE=1, the environment of scripts/sanitize.py, which preloads
+libasan and libubsan) the same sources are built with AddressSanitizer + UBSan
+(SANITIZE_FLAGS) as moelab_gpu_emu{32,64}_sanitize in build/gpu-emu{32,64}-sanitize/, apart
+from the normal build/gpu-emu{32,64}/, so an out-of-bounds access or UB in a kernel's index
+math is reported on the CPU. The emulator tells ASan about its fiber stack switches (emu.cpp),
+and dynamic shared memory is an allocation of exactly the launch's bytes."""
 from __future__ import annotations
 
 import os
@@ -9,16 +16,27 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 CSRC = ROOT / "optimized" / "csrc"
+# The rule of optimized/_build.py (not imported: importing `optimized` builds the CPU extension).
+SANITIZE = os.environ.get("MOELAB_SANITIZE", "0") not in ("", "0")
+# As optimized/_build.py's SANITIZE_FLAGS (-g1: file and line in every frame of a report).
+SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1"]
 _mods = {}
 
 
-def load(warp: int):
-    if warp in _mods:
-        return _mods[warp]
-    from torch.utils import cpp_extension
+def build_dir(warp: int) -> Path:
+    return Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) / f"gpu-emu{warp}{'-sanitize' if SANITIZE else ''}"
 
-    bdir = Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) / f"gpu-emu{warp}"
-    gen = bdir / "gen"
+
+def _asan_loaded() -> bool:
+    try:
+        return "libasan" in Path("/proc/self/maps").read_text()
+    except OSError:
+        return True
+
+
+def sources(warp: int, gen: Path) -> list[str]:
+    """The translation units: each .cu/.hip file (through a generated .cpp that includes it), the
+    emulator, the bindings, and in the sanitized build only the negative controls."""
     gen.mkdir(parents=True, exist_ok=True)
     srcs = sorted((CSRC / "gpu").glob("*.cu")) + (sorted((CSRC / "hip").glob("*.hip")) if warp == 64 else [])
     files = []
@@ -29,9 +47,34 @@ def load(warp: int):
             f.write_text(text)
         files.append(str(f))
     files += [str(CSRC / "gpu" / "emu" / "emu.cpp"), str(CSRC / "gpu" / "emu" / "bindings.cpp")]
-    _mods[warp] = cpp_extension.load(
-        name=f"moelab_gpu_emu{warp}", sources=files, build_directory=str(bdir),
-        extra_cflags=["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
-                      "-Wno-unknown-pragmas"],
-        is_python_module=True, verbose=False)
+    if SANITIZE:   # the negative controls (tests/test_sanitize.py): never in the normal build
+        files.append(str(CSRC / "gpu" / "emu" / "sanitizer_controls.cpp"))
+    return files
+
+
+def load(warp: int):
+    if warp in _mods:
+        return _mods[warp]
+    from torch.utils import cpp_extension
+
+    bdir = build_dir(warp)
+    files = sources(warp, bdir / "gen")
+    cflags = ["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
+              "-Wno-unknown-pragmas"]
+    ldflags = []
+    preload = None
+    if SANITIZE:
+        if not _asan_loaded():
+            raise ImportError("MOELAB_SANITIZE=1: the AddressSanitizer runtime is not loaded in this process; "
+                              "run through `make sanitize` / scripts/sanitize.py (LD_PRELOAD of libasan, libubsan)")
+        cflags += ["-DMOELAB_SANITIZE=1", *SANITIZE_FLAGS, "-Wno-maybe-uninitialized", "-Wno-uninitialized"]
+        ldflags += SANITIZE_FLAGS
+        preload = os.environ.pop("LD_PRELOAD", None)   # the compiler and ninja run without the runtime
+    try:
+        _mods[warp] = cpp_extension.load(
+            name=f"moelab_gpu_emu{warp}{'_sanitize' if SANITIZE else ''}", sources=files, build_directory=str(bdir),
+            extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=True, verbose=False)
+    finally:
+        if preload is not None:
+            os.environ["LD_PRELOAD"] = preload
     return _mods[warp]

@@ -8,6 +8,12 @@ scripts/sanitize.py (runtimes preloaded, every report fatal), which must die wit
 sanitizer's report naming the bug; the same ops with harmless arguments must succeed, so the
 failures come from the bugs and not from the setup.
 
+The emulated GPU kernels (tests/gpu_emu.py) have controls of their own, built only into the
+sanitized emulator (optimized/csrc/gpu/emu/sanitizer_controls.cpp): a kernel that reads one
+float past its dynamic shared memory, one past a static __shared__ array, and a 32-bit index
+product that overflows; and a real kernel (route, through its launcher) given a bias one
+element short. Each must die with the report, through the fiber's frames.
+
 The first test builds the sanitized extension into build/cpu-sanitize/ (minutes from nothing,
 once; ninja makes every later build a no-op). The tests skip only when the C++ compiler has no
 sanitizer runtimes (libasan, libubsan), and say which is missing.
@@ -103,3 +109,81 @@ def test_normal_build_has_no_controls(monkeypatch, tmp_path):
     assert not any("testing" in Path(s).parts for s in _build.sources(tmp_path))
     monkeypatch.setattr(_build, "SANITIZE", True)
     assert any(Path(s).name == "sanitizer_controls.cpp" for s in _build.sources(tmp_path))
+
+
+# ------------------------------------------------ the emulated GPU kernels (tests/gpu_emu.py)
+_EMU = "import torch\nfrom tests import gpu_emu\nm = gpu_emu.load(32)\n"
+
+
+@pytest.fixture(scope="module")
+def sanitized_emu():
+    """Build (if needed) the sanitized 32-lane emulator once, in build/gpu-emu32-sanitize/."""
+    p = _run(_EMU + "print(m.__file__)")
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert Path(p.stdout.strip().splitlines()[-1]).parent.name == "gpu-emu32-sanitize", p.stdout
+
+
+@needs_runtimes
+def test_emulated_controls_pass_with_harmless_arguments(sanitized_emu):
+    p = _run(_EMU + "print(m.control_dynamic_smem_read(torch.arange(10.), 9), m.control_static_smem_read(63), "
+                    "m.control_int_index(1000, 1000))\n"
+                    "x = torch.randn(3, 64)\n"
+                    "print(m.route(x, 4, 3, torch.randn(64), 1, 1, 1.0, False)[0])")
+    assert p.returncode == 0, p.stderr[-6000:]
+    assert p.stdout.split() == ["9.0", "63.0", "1000000", "0"], p.stdout
+
+
+def _fiber_frames(stderr: str) -> bool:
+    """The report's stack runs through the emulator's fiber entry (ASan unwound the fiber stack)."""
+    return any(" in entry " in line and "emu.cpp" in line for line in stderr.splitlines())
+
+
+@needs_runtimes
+def test_asan_reports_emulated_kernel_reading_past_an_input(sanitized_emu):
+    # route's launcher takes bias as a bare pointer: a bias of E - 1 floats cannot be detected there,
+    # and the kernel reads bias[E - 1], 4 bytes past the tensor.
+    p = _run(_EMU + "x = torch.randn(3, 64)\nprint(m.route(x, 4, 3, torch.randn(63), 1, 1, 1.0, False))")
+    assert p.returncode != 0, "the kernel's out-of-bounds read was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in p.stderr and "READ of size 4" in p.stderr, \
+        p.stderr[-6000:]
+    assert "0 bytes to the right of 252-byte region" in p.stderr, p.stderr[-6000:]
+    summary = [line for line in p.stderr.splitlines() if line.startswith("SUMMARY:")]
+    assert summary and "route.cu" in summary[0], p.stderr[-6000:]
+    assert _fiber_frames(p.stderr), p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_asan_reports_dynamic_shared_memory_overflow(sanitized_emu):
+    p = _run(_EMU + "print(m.control_dynamic_smem_read(torch.arange(10.), 10))")
+    assert p.returncode != 0, "the shared-memory overflow was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "ERROR: AddressSanitizer: heap-buffer-overflow" in p.stderr, p.stderr[-6000:]
+    # exactly the launch's 10 floats: the read of element 10 is the first byte past them
+    assert "0 bytes to the right of 40-byte region" in p.stderr, p.stderr[-6000:]
+    assert "in dynamic_smem_read_kernel" in p.stderr and _fiber_frames(p.stderr), p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_ubsan_reports_static_shared_array_overflow(sanitized_emu):
+    p = _run(_EMU + "print(m.control_static_smem_read(64))")
+    assert p.returncode != 0, "the static shared-array overflow was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "runtime error: index 64 out of bounds for type 'float [64]'" in p.stderr, p.stderr[-6000:]
+    assert "in static_smem_read_kernel" in p.stderr, p.stderr[-6000:]
+
+
+@needs_runtimes
+def test_ubsan_reports_emulated_kernel_index_overflow(sanitized_emu):
+    p = _run(_EMU + "print(m.control_int_index(65536, 32768))")
+    assert p.returncode != 0, "the signed overflow was not caught:\n" + p.stdout + p.stderr[-3000:]
+    assert "runtime error: signed integer overflow" in p.stderr and "cannot be represented in type 'int'" in p.stderr, \
+        p.stderr[-6000:]
+    assert "in int_index_kernel" in p.stderr, p.stderr[-6000:]
+
+
+def test_normal_emulator_build_has_no_controls(monkeypatch, tmp_path):
+    from . import gpu_emu
+    monkeypatch.setattr(gpu_emu, "SANITIZE", False)
+    assert not any(Path(s).name == "sanitizer_controls.cpp" for s in gpu_emu.sources(32, tmp_path))
+    normal = gpu_emu.build_dir(32)
+    monkeypatch.setattr(gpu_emu, "SANITIZE", True)
+    assert any(Path(s).name == "sanitizer_controls.cpp" for s in gpu_emu.sources(32, tmp_path))
+    assert gpu_emu.build_dir(32) != normal and gpu_emu.build_dir(32).name == "gpu-emu32-sanitize"

@@ -185,6 +185,10 @@ py::tuple fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Te
 }
 }  // namespace
 
+#if MOELAB_SANITIZE
+void moelab_emu_sanitizer_controls(pybind11::module& m);   // sanitizer_controls.cpp
+#endif
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("warp_size", &gpu::warp_size);
   m.def("route", &route);
@@ -197,4 +201,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_experts", &fused_experts);
   m.def("fused_experts_workspace_bytes", &gpu::fused_experts_workspace_bytes);
   m.attr("has_wave64") = bool(MOELAB_HIP);
+#if MOELAB_SANITIZE
+  moelab_emu_sanitizer_controls(m);   // the negative controls, sanitized build only
+#endif
 }

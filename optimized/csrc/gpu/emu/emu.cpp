@@ -9,8 +9,26 @@
 
 #include <ucontext.h>
 
+// AddressSanitizer build (tests/gpu_emu.py under `make sanitize`): ASan tracks one stack per
+// thread, so every switch between the scheduler's stack and a fiber's is announced to it
+// (__sanitizer_start_switch_fiber before swapcontext, __sanitizer_finish_switch_fiber after);
+// then reports inside a kernel unwind through the fiber's frames, and nothing mistakes a fiber
+// stack for a corrupted thread stack.
+#if defined(__SANITIZE_ADDRESS__)
+#define MOELAB_EMU_ASAN 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define MOELAB_EMU_ASAN 1
+#endif
+#endif
+#if MOELAB_EMU_ASAN
+#include <sanitizer/common_interface_defs.h>
+#endif
+
 #include <algorithm>
 #include <cstdlib>
+#include <memory>
+#include <new>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -29,25 +47,61 @@ struct Fiber {
   bool done = false;
   int wait = kRunning;
   uint64_t gen = 0;
+  char* stack = nullptr;          // kStack bytes, from g_stacks
+  void* fake_stack = nullptr;     // ASan's fake stack of this fiber while it is switched out
 };
 
 struct Block {
   std::vector<Fiber> fibers;
   std::vector<uint64_t> slots;      // [warps][2][kEmuWarp]
-  ucontext_t sched;
+  ucontext_t sched{};                // zeroed: ASan's swapcontext reads its uc_stack
   const std::function<void()>* body = nullptr;
-  std::vector<char> smem;
+  // Dynamic shared memory: exactly the launch's bytes, in an allocation of its own, so that an
+  // access past the end is a heap-buffer-overflow under ASan (zero-filled, as before).
+  std::unique_ptr<char, decltype(&std::free)> smem{nullptr, &std::free};
 };
 
 Block* g_block = nullptr;
 Fiber* g_cur = nullptr;
 int g_error = 0;
 std::vector<std::vector<char>> g_stacks;
+#if MOELAB_EMU_ASAN
+const void* g_sched_bottom = nullptr;   // the scheduler's stack, as ASan reports it to a fiber
+size_t g_sched_size = 0;
+#endif
+
+// Scheduler -> fiber f (returns when f switches back).
+void switch_to(Block& b, Fiber& f) {
+#if MOELAB_EMU_ASAN
+  void* fake = nullptr;
+  __sanitizer_start_switch_fiber(&fake, f.stack, kStack);
+#endif
+  swapcontext(&b.sched, &f.ctx);
+#if MOELAB_EMU_ASAN
+  __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
+#endif
+}
+
+// Fiber f -> scheduler (returns when the scheduler resumes f; never when f has finished).
+void switch_back(Fiber& f, bool finished) {
+#if MOELAB_EMU_ASAN
+  __sanitizer_start_switch_fiber(finished ? nullptr : &f.fake_stack, g_sched_bottom, g_sched_size);
+#else
+  (void)finished;
+#endif
+  swapcontext(&f.ctx, &g_block->sched);
+#if MOELAB_EMU_ASAN
+  __sanitizer_finish_switch_fiber(f.fake_stack, &g_sched_bottom, &g_sched_size);
+#endif
+}
 
 void entry() {
+#if MOELAB_EMU_ASAN
+  __sanitizer_finish_switch_fiber(nullptr, &g_sched_bottom, &g_sched_size);
+#endif
   (*g_block->body)();
   g_cur->done = true;
-  swapcontext(&g_cur->ctx, &g_block->sched);
+  switch_back(*g_cur, true);
 }
 
 uint64_t* warp_slots(Fiber& f, uint64_t gen) {
@@ -67,7 +121,8 @@ void run_block(const dim3& grid, const dim3& block, const dim3& bidx, size_t sme
   b.fibers.resize(size_t(n));
   b.slots.assign(size_t(warps) * 2 * kEmuWarp, 0);
   b.body = &body;
-  b.smem.assign(smem + 16, 0);
+  b.smem.reset(static_cast<char*>(std::calloc(smem, 1)));
+  if (smem && !b.smem) throw std::bad_alloc();
   if (g_stacks.size() < size_t(n)) g_stacks.resize(size_t(n));
   for (int t = 0; t < n; ++t) {
     Fiber& f = b.fibers[size_t(t)];
@@ -80,7 +135,8 @@ void run_block(const dim3& grid, const dim3& block, const dim3& bidx, size_t sme
     f.ids.gridDim = grid;
     if (g_stacks[size_t(t)].empty()) g_stacks[size_t(t)].resize(kStack);
     getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = g_stacks[size_t(t)].data();
+    f.stack = g_stacks[size_t(t)].data();
+    f.ctx.uc_stack.ss_sp = f.stack;
     f.ctx.uc_stack.ss_size = kStack;
     f.ctx.uc_link = nullptr;
     makecontext(&f.ctx, entry, 0);
@@ -96,7 +152,7 @@ void run_block(const dim3& grid, const dim3& block, const dim3& bidx, size_t sme
       Fiber& f = b.fibers[size_t(t)];
       if (f.done || f.wait != kRunning) continue;
       g_cur = &f;
-      swapcontext(&b.sched, &f.ctx);
+      switch_to(b, f);
       progressed = true;
     }
     for (const Fiber& f : b.fibers) all_done = all_done && f.done;
@@ -154,7 +210,7 @@ const uint64_t* exchange(uint64_t v) {
   uint64_t* s = warp_slots(f, f.gen);
   s[f.lane] = v;
   f.wait = kAtWarp;
-  swapcontext(&f.ctx, &g_block->sched);
+  switch_back(f, false);
   ++f.gen;
   return s;
 }
@@ -162,10 +218,10 @@ const uint64_t* exchange(uint64_t v) {
 void sync_block() {
   Fiber& f = *g_cur;
   f.wait = kAtBlock;
-  swapcontext(&f.ctx, &g_block->sched);
+  switch_back(f, false);
 }
 
-void* dynamic_smem() { return g_block->smem.data(); }
+void* dynamic_smem() { return g_block->smem.get(); }
 
 int last_error() {
   const int e = g_error;
