@@ -26,9 +26,9 @@ from typing import Optional
 
 import torch
 
-from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_FORMATS, SCALE_DTYPES,
-                                WEIGHT_DTYPES, check_choice, check_float, check_fused_experts, check_ids,
-                                check_tensor, expert_weight_shapes, fail)
+from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_FORMATS, check_choice,
+                                check_expert_weights, check_float, check_fused_experts, check_ids, check_tensor,
+                                fail)
 
 from . import _fake
 from . import dispatch as _dispatch
@@ -106,29 +106,10 @@ def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
     """
     op = "prepack_moe_weights"
     check_choice(op, "quant", quant, QUANT_FORMATS)
-    check_tensor(op, "w13", w13, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), contiguous=True)
+    check_tensor(op, "w13", w13)
     if w13.device.type != "cpu":
         fail(op, "w13", f"must be a CPU tensor, got {w13.device}")
-    E, two_i = w13.shape[0], w13.shape[1]
-    if E < 1 or two_i < 2 or two_i % 2:
-        fail(op, "w13", f"must have shape (E, 2*I, ...) with E >= 1 and I >= 1, got {tuple(w13.shape)}")
-    I = two_i // 2
-    H = 2 * w13.shape[2] if quant == "mxfp4" else w13.shape[2]
-    if H < 1:
-        fail(op, "w13", f"must have H >= 1, got shape {tuple(w13.shape)}")
-    if quant == "mxfp4" and (H % MX_BLOCK or I % MX_BLOCK):
-        fail(op, "w13", f"mxfp4 needs H and I to be multiples of {MX_BLOCK}, got H = {H}, I = {I}")
-    s13, s2, sc13, sc2 = expert_weight_shapes(quant, E, H, I)
-    check_tensor(op, "w2", w2, dtypes=(WEIGHT_DTYPES[quant],), shape=s2, device=w13.device, contiguous=True)
-    for name, s, shp in (("w13_scale", w13_scale, sc13), ("w2_scale", w2_scale, sc2)):
-        if shp is None:
-            if s is not None:
-                fail(op, name, f"must be None for quant '{quant}'")
-        else:
-            if s is None:
-                fail(op, name, f"is required for quant '{quant}'")
-            check_tensor(op, name, s, dtypes=(SCALE_DTYPES[quant],), shape=shp, device=w13.device,
-                         contiguous=True)
+    E, H, I = check_expert_weights(op, quant, w13, w2, w13_scale, w2_scale, w13.device)
     p13, q13, f13 = torch.ops.moelab.prepack_moe_weight(w13, w13_scale, quant)
     p2, q2, f2 = torch.ops.moelab.prepack_moe_weight(w2, w2_scale, quant)
     if quant == "bf16":

@@ -316,6 +316,37 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp8_block": torch.float8_e4m3fn, "mxfp
 SCALE_DTYPES = {"fp8_block": torch.float32, "mxfp4": torch.uint8}
 
 
+def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, device, H: Optional[int] = None):
+    """The expert weights and scales of one format (SPEC 5). H: the hidden size the caller
+    knows from x (errors about it then name 'x'), or None to infer it from w13.
+    Returns (E, H, I)."""
+    check_tensor(op, "w13", w13, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), device=device, contiguous=True)
+    E, two_i = w13.shape[0], w13.shape[1]
+    if E < 1 or two_i < 2 or two_i % 2:
+        fail(op, "w13", f"must have shape (E, 2*I, ...) with E >= 1 and I >= 1, got {tuple(w13.shape)}")
+    I = two_i // 2
+    h_arg = "x"
+    if H is None:
+        H, h_arg = (2 * w13.shape[2] if quant == "mxfp4" else w13.shape[2]), "w13"
+        if H < 1:
+            fail(op, "w13", f"must have H >= 1, got shape {tuple(w13.shape)}")
+    if quant == "mxfp4" and (H % MX_BLOCK or I % MX_BLOCK):
+        fail(op, h_arg if H % MX_BLOCK else "w13",
+             f"mxfp4 needs H and I to be multiples of {MX_BLOCK}, got H = {H}, I = {I}")
+    s13, s2, sc13, sc2 = expert_weight_shapes(quant, E, H, I)
+    check_tensor(op, "w13", w13, shape=s13)
+    check_tensor(op, "w2", w2, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), shape=s2, device=device, contiguous=True)
+    for name, s, shp in (("w13_scale", w13_scale, sc13), ("w2_scale", w2_scale, sc2)):
+        if shp is None:
+            if s is not None:
+                fail(op, name, f"must be None for quant '{quant}'")
+        else:
+            if s is None:
+                fail(op, name, f"is required for quant '{quant}'")
+            check_tensor(op, name, s, dtypes=(SCALE_DTYPES[quant],), shape=shp, device=device, contiguous=True)
+    return E, H, I
+
+
 def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
                         w13_bias, w2_bias, activation, alpha, limit, dispatch):
     """Returns (E, I) inferred from the weights."""
@@ -328,25 +359,7 @@ def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2
     check_choice(op, "dispatch", dispatch, DISPATCH_POLICIES)
     check_float(op, "alpha", alpha)
     check_float(op, "limit", limit)
-    check_tensor(op, "w13", w13, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), device=dev, contiguous=True)
-    E, two_i = w13.shape[0], w13.shape[1]
-    if E < 1 or two_i < 2 or two_i % 2:
-        fail(op, "w13", f"must have shape (E, 2*I, ...) with E >= 1 and I >= 1, got {tuple(w13.shape)}")
-    I = two_i // 2
-    if quant == "mxfp4" and (H % MX_BLOCK or I % MX_BLOCK):
-        fail(op, "x" if H % MX_BLOCK else "w13",
-             f"mxfp4 needs H and I to be multiples of {MX_BLOCK}, got H = {H}, I = {I}")
-    s13, s2, sc13, sc2 = expert_weight_shapes(quant, E, H, I)
-    check_tensor(op, "w13", w13, shape=s13)
-    check_tensor(op, "w2", w2, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), shape=s2, device=dev, contiguous=True)
-    for name, s, shp in (("w13_scale", w13_scale, sc13), ("w2_scale", w2_scale, sc2)):
-        if shp is None:
-            if s is not None:
-                fail(op, name, f"must be None for quant '{quant}'")
-        else:
-            if s is None:
-                fail(op, name, f"is required for quant '{quant}'")
-            check_tensor(op, name, s, dtypes=(SCALE_DTYPES[quant],), shape=shp, device=dev, contiguous=True)
+    E, H, I = check_expert_weights(op, quant, w13, w2, w13_scale, w2_scale, dev, H)
     # Decision: biases may be f32 or bf16 (GPT-OSS checkpoints ship bf16); both are upcast to f32.
     for name, b, shp in (("w13_bias", w13_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H))):
         if b is not None:
