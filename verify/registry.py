@@ -296,22 +296,30 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
 
 
 # ============================================================================ route
-def _draw_route(draw, dist, fixed):
-    p = Picker(draw, fixed)
-    method = p("method", st.sampled_from(METHODS))
-    E = p("E", st.sampled_from((1, 2, 3, 4, 6, 8, 16, 32, 60, 64, 128, 256, 384, 512, 896, 1024, 2048)))
+def _draw_groups_and_k(p: Picker, method: str, E: int, dist: str, k_cap: int):
+    """(n_group, topk_group, K) valid for the method and E: groups that divide E into groups
+    of >= 2 (grouped_sigmoid_bias only), K <= k_cap, <= the experts the groups leave, <= the
+    experts empty_experts leaves, and 1 for llama4."""
     n_group = topk_group = 1
     if method == "grouped_sigmoid_bias":
-        E = max(2, min(E, 1024))
         divisors = [d for d in range(1, 33) if E % d == 0 and E // d >= 2]
         n_group = p("n_group", st.sampled_from(divisors))
         topk_group = p("topk_group", st.integers(1, n_group))
-    kmax = min(E, 32)
+    kmax = min(E, k_cap)
     if method == "grouped_sigmoid_bias":
         kmax = min(kmax, topk_group * (E // n_group))
     if dist == "empty_experts":
         kmax = min(kmax, E - E // 2)
-    K = 1 if method == "llama4" else p("K", st.integers(1, kmax))
+    return n_group, topk_group, (1 if method == "llama4" else p("K", st.integers(1, kmax)))
+
+
+def _draw_route(draw, dist, fixed):
+    p = Picker(draw, fixed)
+    method = p("method", st.sampled_from(METHODS))
+    E = p("E", st.sampled_from((1, 2, 3, 4, 6, 8, 16, 32, 60, 64, 128, 256, 384, 512, 896, 1024, 2048)))
+    if method == "grouped_sigmoid_bias":
+        E = max(2, min(E, 1024))
+    n_group, topk_group, K = _draw_groups_and_k(p, method, E, dist, 32)
     s = {"method": method, "E": E, "K": K, "n_group": n_group, "topk_group": topk_group,
          "renormalize": bool(p("renormalize", st.booleans())) if method in RENORM_METHODS else False,
          "scaling": p("scaling", st.sampled_from((1.0, 2.5, 0.5))) if method in BIAS_METHODS else 1.0,
@@ -1166,18 +1174,8 @@ def _draw_moe(draw, dist, fixed):
     s = _draw_experts_common(p, dist, max_e=64)
     method = p("method", st.sampled_from(METHODS))
     E = max(2, s["E"])
-    n_group = topk_group = 1
-    if method == "grouped_sigmoid_bias":
-        divisors = [d for d in range(1, 33) if E % d == 0 and E // d >= 2]
-        n_group = p("n_group", st.sampled_from(divisors))
-        topk_group = p("topk_group", st.integers(1, n_group))
-    kmax = min(E, 8)
-    if method == "grouped_sigmoid_bias":
-        kmax = min(kmax, topk_group * (E // n_group))
-    if dist == "empty_experts":
-        kmax = min(kmax, E - E // 2)
-    s.update({"E": E, "method": method, "n_group": n_group, "topk_group": topk_group,
-              "K": 1 if method == "llama4" else p("K", st.integers(1, kmax)),
+    n_group, topk_group, K = _draw_groups_and_k(p, method, E, dist, 8)
+    s.update({"E": E, "method": method, "n_group": n_group, "topk_group": topk_group, "K": K,
               "renormalize": bool(p("renormalize", st.booleans())) if method in RENORM_METHODS else False,
               "scaling": 1.0 if method not in BIAS_METHODS else p("scaling", st.sampled_from((1.0, 2.5))),
               "bias": "none", "T": _tokens(p)})
