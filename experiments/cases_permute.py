@@ -63,6 +63,18 @@ def cases(quick: bool):
                         lambda h=hidden, i=ids: eager_permute(h, i, E),
                         lambda h=hidden, i=ids: optimized.permute(h, i, E),
                         nbytes=nb(T), target=3.0 if T >= 8 else None))
+    # Both ways into preallocated outputs (ours: a scratch; eager: index_select(out=)): the
+    # copy alone, without the fresh-page faults that decide the allocating T = 512 rows.
+    for T in ([512] if quick else [64, 512]):
+        hidden, ids = _inputs(T)
+        s = optimized.PermuteScratch(T, K, E, H, DT, "cpu")
+        rows = torch.empty(T * K, H, dtype=DT)
+
+        def eager_into(h=hidden, i=ids, rows=rows):
+            order = i.flatten().argsort(stable=True)
+            torch.index_select(h, 0, order // K, out=rows)
+        out.append(Case("permute", f"T={T} prealloc vs gather out=", eager_into,
+                        lambda h=hidden, i=ids, s=s: optimized.permute(h, i, E, scratch=s), nbytes=nb(T)))
     for T in ([1, 8] if quick else [1, 2, 4, 8, 32, 512]):
         hidden, ids = _inputs(T)
         s = optimized.PermuteScratch(T, K, E, H, DT, "cpu")
