@@ -15,7 +15,7 @@ TORCH   ?= torch==2.13.0
 BUDGET  ?= 600
 SANITIZE_BUDGET ?= 60
 
-.PHONY: setup build test verify bench experiments compile-check sanitize check-all clean
+.PHONY: setup build test verify bench experiments compile-check gpu-check sanitize check-all clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
@@ -49,6 +49,13 @@ experiments: setup
 # no torch needed. A spill in a hot kernel fails. (tests/test_compile_check.py runs it too.)
 compile-check:
 	$(PY) scripts/compile_check.py --out build/compile-check
+
+# On a machine with a GPU and a CUDA (or ROCm) torch: build, opcheck, verify on the GPU, time,
+# compute-sanitizer (scripts/gpu_check.sh, docs/gpu.md; at most 8 minutes on an H200). Results
+# and the log go to $(GPU_OUT). Use with TORCH=keep so the venv sees the GPU build of torch.
+GPU_OUT ?= reports/gpu
+gpu-check: $(VENV)/.installed
+	OUT=$(GPU_OUT) PYTHON=$(VPY) bash scripts/gpu_check.sh
 
 # The CPU extension under AddressSanitizer + UBSan (scripts/sanitize.py says how): builds
 # moelab_cpu_sanitize into build/cpu-sanitize/ (-O1 -g1 -fsanitize=address,undefined
