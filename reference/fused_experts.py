@@ -13,6 +13,11 @@ W13[e] (H -> 2I) and a down projection W2[e] (I -> H). For every slot j of every
     y   = a @ W2[e].T + b2[e]                                     [H]
     out[t] = bf16( sum_j topk_weights[t, j] * y_j )               [H]
 
+With apply_router_weight_on_input (Llama 4, vLLM's parameter of this name) the weight scales
+the expert's input instead of its output: slot j's input is bf16(x[t] * bf16(w_tj)) (the
+weight rounded to bf16 first, as a bf16 model does; the product of two bf16 values is exact
+in f32, so the product is rounded once), and out[t] = bf16( sum_j y_j ), unweighted.
+
 `bf16(.)` marks the only three roundings: everything else is computed in float64 from the
 exact inputs (bf16 x, the f32 dequantized weights, f32/bf16 biases, f32 routing weights),
 so the result is the exact function rounded at SPEC's rounding points (up to float64
@@ -23,6 +28,10 @@ Weights come in three formats (see reference/quant.py); each expert's matrices a
 dequantized to f32 exactly as SPEC.md says (bf16 -> f32 is exact; fp8_block multiplies
 in f32; mxfp4 values are exact in f32). The reference dequantizes one expert at a time,
 so it never holds more than one expert's f32 weights.
+
+Exact mode (this reference only, docs/families.md): float64 x, weights in the unquantized
+layout as float64, float64 biases and topk_weights; then none of the roundings happen and the
+result is float64: the model's function itself, compared with transformers' float64 run.
 
 The reference loops over experts, not tokens: it gathers the rows routed to each expert
 and does two matrix products for them, then scatters the weighted outputs back. The
@@ -64,16 +73,17 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                   w13_scale: Optional[torch.Tensor] = None, w2_scale: Optional[torch.Tensor] = None,
                   w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
                   activation: str = "silu", alpha: float = 1.702, limit: float = 7.0,
-                  dispatch: str = "auto") -> torch.Tensor:
+                  dispatch: str = "auto", apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """The routed expert MLPs: out[t] = bf16(sum_j topk_weights[t,j] * MLP_{topk_ids[t,j]}(x[t])).
 
     Math (module docstring): h = bf16(x @ W13[e].T + b13[e]); a = bf16(act(h));
     y = a @ W2[e].T + b2[e]; out[t] = bf16(sum_j topk_weights[t, j] * y_j), all in float64
     between the three bf16 roundings. Slots with id -1 contribute nothing (a token whose
-    slots are all -1 gets zeros).
+    slots are all -1 gets zeros). apply_router_weight_on_input: the input of slot j is
+    bf16(x[t] * bf16(topk_weights[t, j])) and out[t] = bf16(sum_j y_j).
 
     Args (E experts, I intermediate size):
-        x: [T, H] bf16. topk_weights: [T, K] f32. topk_ids: [T, K] int32, in [-1, E).
+        x: [T, H] bf16 (float64: exact mode). topk_weights: [T, K] f32. topk_ids: [T, K] int32, in [-1, E).
         quant: "bf16" | "fp8_block" | "mxfp4", with
             bf16:      w13 [E, 2I, H] bf16, w2 [E, H, I] bf16, no scales;
             fp8_block: w13 [E, 2I, H] f8e4m3fn, w2 [E, H, I] f8e4m3fn,
@@ -84,13 +94,18 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         activation: "silu" | "swiglu_oai"; alpha, limit: finite floats (swiglu_oai only).
         dispatch: "auto" | "tiny" | "blocked" | "global" | "per_block": validated; the
             reference computes the same result for every value.
-    Returns: [T, H] bf16 (a fresh tensor; T = 0 gives [0, H]).
+        apply_router_weight_on_input: bool (SPEC 6), any K.
+    Returns: [T, H] bf16 (a fresh tensor; T = 0 gives [0, H]; float64 in exact mode).
     Raises: ValueError from validate.check_fused_experts, message 'fused_experts: argument
     '<name>' ...', for any bad argument (dtype, shape, device, contiguity, scale
     presence, id range, unknown option, non-finite alpha/limit).
     """
     E, I = check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                               w13_bias, w2_bias, activation, alpha, limit, dispatch)
+                               w13_bias, w2_bias, activation, alpha, limit, dispatch,
+                               apply_router_weight_on_input, exact=True)
+    exact = x.dtype == torch.float64
+    # The bf16 rounding points; in exact mode nothing is rounded.
+    rnd = (lambda v: v) if exact else (lambda v: round_to_bf16(v).to(torch.float64))
     T, H = x.shape
     x64 = x.to(torch.float64)
     weights64 = topk_weights.to(torch.float64)
@@ -100,20 +115,28 @@ def fused_experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)   # rows routed to expert e
         if tok.numel() == 0:
             continue                                              # never dequantized
-        W13 = dequantize_expert_weights(quant, w13[e], None if w13_scale is None else w13_scale[e])
-        W2 = dequantize_expert_weights(quant, w2[e], None if w2_scale is None else w2_scale[e])
+        if exact:
+            W13, W2 = w13[e], w2[e]
+        else:
+            W13 = dequantize_expert_weights(quant, w13[e], None if w13_scale is None else w13_scale[e])
+            W2 = dequantize_expert_weights(quant, w2[e], None if w2_scale is None else w2_scale[e])
 
-        h = x64[tok] @ W13.to(torch.float64).T                   # [m, 2I]
+        if apply_router_weight_on_input:
+            xin = rnd(x64[tok] * rnd(weights64[tok, slot]).unsqueeze(1))   # bf16(x * bf16(w))
+        else:
+            xin = x64[tok]
+        h = xin @ W13.to(torch.float64).T                        # [m, 2I]
         if w13_bias is not None:
             h = h + w13_bias[e].to(torch.float64)
-        h = round_to_bf16(h).to(torch.float64)
+        h = rnd(h)
 
-        a = round_to_bf16(activate(h, activation, alpha, limit)).to(torch.float64)   # [m, I]
+        a = rnd(activate(h, activation, alpha, limit))           # [m, I]
 
         y = a @ W2.to(torch.float64).T                            # [m, H]
         if w2_bias is not None:
             y = y + w2_bias[e].to(torch.float64)
 
-        out.index_put_((tok,), weights64[tok, slot].unsqueeze(1) * y, accumulate=True)   # out[tok] += w * y
+        scale = 1.0 if apply_router_weight_on_input else weights64[tok, slot].unsqueeze(1)
+        out.index_put_((tok,), scale * y, accumulate=True)       # out[tok] += w * y
 
-    return round_to_bf16(out)
+    return out if exact else round_to_bf16(out)

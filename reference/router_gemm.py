@@ -35,7 +35,8 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         weight: [E, H] float32 router weight (E >= 1) on x's device.
 
     Math: logits[t, e] = sum_h x[t, h] * weight[e, h], computed in float64 from the exact
-    upcasts and rounded once to float32. No bias (routers have none).
+    upcasts and rounded once to float32. No bias here (GPT-OSS's router bias is added by
+    moe_forward). Exact mode (reference only): float64 x and weight give float64 logits, unrounded.
 
     Returns:
         [T, E] float32, a fresh tensor; T = 0 gives a [0, E] tensor.
@@ -44,5 +45,6 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ValueError: "router_gemm: argument '<name>' ..." for a bad rank, dtype, shape or
             device (see validate.check_router_gemm).
     """
-    validate.check_router_gemm(x, weight)
-    return (x.to(torch.float64) @ weight.to(torch.float64).T).to(torch.float32)
+    validate.check_router_gemm(x, weight, exact=True)
+    out = x.to(torch.float64) @ weight.to(torch.float64).T
+    return out if x.dtype == torch.float64 else out.to(torch.float32)   # f64: exact mode

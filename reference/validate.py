@@ -19,13 +19,25 @@ from typing import Iterable, Optional, Sequence
 import torch
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The reference's exact mode (docs/families.md): float64 in, nothing rounded, float64 out.
+EXACT_FLOAT_DTYPES = FLOAT_DTYPES + (torch.float64,)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 ROUTE_METHODS = (
     "softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4",
+    "grouped_softmax", "softmax_bias",
 )
-BIAS_METHODS = ("sigmoid_bias", "grouped_sigmoid_bias")
-RENORMALIZE_METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
+BIAS_METHODS = ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+GROUPED_METHODS = ("grouped_sigmoid_bias", "grouped_softmax")
+# renormalize=None means the method's default (SPEC 6): on for the biased methods, off for the
+# rest. llama4 (one sigmoid weight, K = 1) has nothing to renormalize and refuses True.
+RENORMALIZE_METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "grouped_softmax") + BIAS_METHODS
+RENORMALIZE_DEFAULT = {m: m in BIAS_METHODS for m in ROUTE_METHODS}
+# The epsilon of each normalization, in the form each family writes it (SPEC 6):
+# (sum + eps) for the biased sigmoid methods, max(sum, eps) for sigmoid_topk and softmax_bias.
+# softmax_topk, topk_softmax and grouped_softmax divide by the plain sum; llama4 never divides.
+NORM_EPS_DEFAULT = {"sigmoid_topk": 1e-20, "sigmoid_bias": 1e-20, "grouped_sigmoid_bias": 1e-20,
+                    "softmax_bias": 1e-12}
 MAX_TOP_K = 32
 MAX_EXPERTS = 2048
 MAX_EXPERTS_GROUPED = 1024
@@ -110,9 +122,13 @@ def check_index_range(op: str, name: str, t: torch.Tensor, lo: int, hi: int) -> 
 
 
 # --------------------------------------------------------------------------- route
-def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize) -> None:
+def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize,
+                norm_eps=None, *, exact: bool = False):
+    """Validates a route call (SPEC 1 and 6). Returns (renormalize, norm_eps) resolved: the
+    method's defaults where the call passed None (norm_eps is 0.0 for methods without one).
+    exact=True (the reference only) also accepts float64 logits and bias."""
     op = "route"
-    check_tensor(op, "logits", logits, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "logits", logits, ndim=2, dtypes=EXACT_FLOAT_DTYPES if exact else FLOAT_DTYPES)
     E = logits.shape[1]
     if not 1 <= E <= MAX_EXPERTS:
         fail(op, "logits", f"must have 1 <= E <= {MAX_EXPERTS} columns (experts), got E = {E}")
@@ -125,15 +141,15 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     if method in BIAS_METHODS:
         if bias is None:
             fail(op, "bias", f"is required by method '{method}'")
-        check_tensor(op, "bias", bias, shape=(E,), dtypes=(torch.float32, torch.bfloat16),
-                     device=logits.device)
+        bias_dtypes = (torch.float64,) if logits.dtype == torch.float64 else (torch.float32, torch.bfloat16)
+        check_tensor(op, "bias", bias, shape=(E,), dtypes=bias_dtypes, device=logits.device)
     elif bias is not None:
         fail(op, "bias", f"is only used by {', '.join(BIAS_METHODS)}; got a bias with method '{method}'")
     # (route runs once per MoE layer and decode step: plain in-range values skip the calls)
     if not (type(n_group) is int and type(topk_group) is int and n_group >= 1 and topk_group >= 1):
         check_int(op, "n_group", n_group, 1)
         check_int(op, "topk_group", topk_group, 1)
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED_METHODS:
         if E > MAX_EXPERTS_GROUPED:
             fail(op, "logits", f"must have E <= {MAX_EXPERTS_GROUPED} for grouped routing, got E = {E}")
         check_int(op, "n_group", n_group, 1, MAX_GROUPS)
@@ -145,16 +161,27 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
                               f"got {top_k}")
     elif n_group != 1 or topk_group != 1:
         fail(op, "n_group" if n_group != 1 else "topk_group",
-             f"only applies to method 'grouped_sigmoid_bias'; must be 1 with method '{method}'")
+             f"only applies to {', '.join(GROUPED_METHODS)}; must be 1 with method '{method}'")
     if not (type(scaling) is float and math.isfinite(scaling)):
         check_float(op, "scaling", scaling)
-    if method not in BIAS_METHODS and scaling != 1.0:
-        fail(op, "scaling", f"only applies to {', '.join(BIAS_METHODS)}; must be 1.0 with '{method}'")
-    if not isinstance(renormalize, bool):
-        fail(op, "renormalize", f"must be a bool, got {type(renormalize).__name__}")
-    if renormalize and method not in RENORMALIZE_METHODS:
+    if renormalize is None:
+        renormalize = RENORMALIZE_DEFAULT[method]
+    elif not isinstance(renormalize, bool):
+        fail(op, "renormalize", f"must be a bool or None, got {type(renormalize).__name__}")
+    elif renormalize and method not in RENORMALIZE_METHODS:
         fail(op, "renormalize", f"only applies to {', '.join(RENORMALIZE_METHODS)}; "
-                                f"method '{method}' normalizes by its own rule")
+                                f"method '{method}' has a single weight to normalize")
+    default_eps = NORM_EPS_DEFAULT.get(method)
+    if norm_eps is None:
+        norm_eps = 0.0 if default_eps is None else default_eps
+    else:
+        if default_eps is None:
+            fail(op, "norm_eps", f"only applies to {', '.join(NORM_EPS_DEFAULT)}; method '{method}' "
+                                 "divides by the plain sum")
+        norm_eps = check_float(op, "norm_eps", norm_eps)
+        if norm_eps < 0.0:
+            fail(op, "norm_eps", f"must be >= 0, got {norm_eps!r}")
+    return renormalize, norm_eps
 
 
 # ------------------------------------------------------------------------- permute
@@ -253,13 +280,15 @@ def check_unpermute(expert_out, weights, dst_pos, *, ranges: bool = True) -> Non
 
 
 # --------------------------------------------------------------------------- GEMMs
-def check_router_gemm(x, weight) -> None:
+def check_router_gemm(x, weight, *, exact: bool = False) -> None:
+    """exact=True (the reference only): float64 x with a float64 weight is accepted too."""
     op = "router_gemm"
-    check_tensor(op, "x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(op, "x", x, ndim=2, dtypes=EXACT_FLOAT_DTYPES if exact else FLOAT_DTYPES)
     H = x.shape[1]
     if H < 1:
         fail(op, "x", "must have H >= 1 columns")
-    check_tensor(op, "weight", weight, ndim=2, dtypes=(torch.float32,), shape=(None, H), device=x.device)
+    w_dtypes = (torch.float64,) if x.dtype == torch.float64 else (torch.float32,)
+    check_tensor(op, "weight", weight, ndim=2, dtypes=w_dtypes, shape=(None, H), device=x.device)
     if weight.shape[0] < 1:
         fail(op, "weight", "must have E >= 1 rows")
 
@@ -316,11 +345,16 @@ WEIGHT_DTYPES = {"bf16": torch.bfloat16, "fp8_block": torch.float8_e4m3fn, "mxfp
 SCALE_DTYPES = {"fp8_block": torch.float32, "mxfp4": torch.uint8}
 
 
-def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, device, H: Optional[int] = None):
+def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, device, H: Optional[int] = None,
+                         *, exact: bool = False):
     """The expert weights and scales of one format (SPEC 5). H: the hidden size the caller
-    knows from x (errors about it then name 'x'), or None to infer it from w13.
+    knows from x (errors about it then name 'x'), or None to infer it from w13. exact=True:
+    the reference's exact mode, float64 weights in the unquantized ('bf16') layout.
     Returns (E, H, I)."""
-    check_tensor(op, "w13", w13, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), device=device, contiguous=True)
+    wdt = torch.float64 if exact else WEIGHT_DTYPES[quant]
+    if exact and quant != "bf16":
+        fail(op, "quant", f"must be 'bf16' (the unquantized layout) with float64 x, got {quant!r}")
+    check_tensor(op, "w13", w13, ndim=3, dtypes=(wdt,), device=device, contiguous=True)
     E, two_i = w13.shape[0], w13.shape[1]
     if E < 1 or two_i < 2 or two_i % 2:
         fail(op, "w13", f"must have shape (E, 2*I, ...) with E >= 1 and I >= 1, got {tuple(w13.shape)}")
@@ -335,7 +369,7 @@ def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, devi
              f"mxfp4 needs H and I to be multiples of {MX_BLOCK}, got H = {H}, I = {I}")
     s13, s2, sc13, sc2 = expert_weight_shapes(quant, E, H, I)
     check_tensor(op, "w13", w13, shape=s13)
-    check_tensor(op, "w2", w2, ndim=3, dtypes=(WEIGHT_DTYPES[quant],), shape=s2, device=device, contiguous=True)
+    check_tensor(op, "w2", w2, ndim=3, dtypes=(wdt,), shape=s2, device=device, contiguous=True)
     for name, s, shp in (("w13_scale", w13_scale, sc13), ("w2_scale", w2_scale, sc2)):
         if shp is None:
             if s is not None:
@@ -348,23 +382,30 @@ def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, devi
 
 
 def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                        w13_bias, w2_bias, activation, alpha, limit, dispatch):
-    """Returns (E, I) inferred from the weights."""
+                        w13_bias, w2_bias, activation, alpha, limit, dispatch,
+                        apply_router_weight_on_input=False, *, exact: bool = False):
+    """Returns (E, I) inferred from the weights. exact=True (the reference only) also accepts
+    float64 x, which then needs float64 weights, biases and topk_weights (exact mode)."""
     op = "fused_experts"
-    check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16,))
+    check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float64) if exact else (torch.bfloat16,))
     T, H = x.shape
     dev = x.device
+    f64 = x.dtype == torch.float64
     check_choice(op, "quant", quant, QUANT_FORMATS)
     check_choice(op, "activation", activation, ACTIVATIONS)
     check_choice(op, "dispatch", dispatch, DISPATCH_POLICIES)
     check_float(op, "alpha", alpha)
     check_float(op, "limit", limit)
-    E, H, I = check_expert_weights(op, quant, w13, w2, w13_scale, w2_scale, dev, H)
+    if not isinstance(apply_router_weight_on_input, bool):
+        fail(op, "apply_router_weight_on_input", f"must be a bool, got {type(apply_router_weight_on_input).__name__}")
+    E, H, I = check_expert_weights(op, quant, w13, w2, w13_scale, w2_scale, dev, H, exact=f64)
     # Decision: biases may be f32 or bf16 (GPT-OSS checkpoints ship bf16); both are upcast to f32.
+    bias_dtypes = (torch.float64,) if f64 else (torch.float32, torch.bfloat16)
     for name, b, shp in (("w13_bias", w13_bias, (E, 2 * I)), ("w2_bias", w2_bias, (E, H))):
         if b is not None:
-            check_tensor(op, name, b, dtypes=(torch.float32, torch.bfloat16), shape=shp, device=dev)
-    check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=dev)
+            check_tensor(op, name, b, dtypes=bias_dtypes, shape=shp, device=dev)
+    check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float64 if f64 else torch.float32,),
+                 device=dev)
     if topk_weights.shape[0] != T or topk_weights.shape[1] < 1:
         fail(op, "topk_weights", f"must have shape ({T}, K) with K >= 1, got {tuple(topk_weights.shape)}")
     check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, dev, dtypes=(torch.int32,))

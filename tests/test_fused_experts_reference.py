@@ -364,7 +364,7 @@ def test_moe_forward_uses_the_given_ops():
     assert [c[0] for c in calls] == ["router_gemm", "route", "fused_experts"]
     assert calls[0][1] is x and calls[0][2] is rw
     assert calls[1][1] is logits_t and calls[1][2:4] == (1, "topk_softmax")
-    assert calls[1][4] == dict(bias=None, n_group=1, topk_group=1, scaling=1.0, renormalize=False)
+    assert calls[1][4] == dict(bias=None, n_group=1, topk_group=1, scaling=1.0, renormalize=None)
     assert calls[2][1] is w_t and calls[2][2] is ids_t
     assert calls[2][3]["activation"] == "swiglu_oai" and calls[2][3]["limit"] == 3.0
     assert calls[2][3]["dispatch"] == "tiny" and calls[2][3]["quant"] == "bf16"
