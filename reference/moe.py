@@ -58,7 +58,8 @@ class SharedExpert:
     """The shared expert(s) of a layer: one gated MLP that every token passes through.
 
     w13 [1, 2S, H] and w2 [1, H, S] in fused_experts' layout and format `quant` (scales and
-    biases likewise, with a leading expert dimension of 1); `gate` [1, H] float32 is the
+    biases likewise, with a leading expert dimension of 1; or weights prepacked by the ops,
+    with w2 None, as `optimized.prepack_moe_weights` makes them); `gate` [1, H] float32 is the
     optional sigmoid gate of Qwen2-MoE / Qwen3-Next (float64 in exact mode).
     """
     w13: torch.Tensor
@@ -78,6 +79,18 @@ def reference_ops() -> types.SimpleNamespace:
     from .route import route
     from .router_gemm import router_gemm
     return types.SimpleNamespace(router_gemm=router_gemm, route=route, fused_experts=fused_experts)
+
+
+def _n_experts(op: str, name: str, w13) -> int:
+    """E of w13: a weight tensor [E, 2I, ...] or an ops-specific prepacked object with an `E`
+    (optimized.PackedMoEWeights), which the ops' fused_experts then validates."""
+    if isinstance(w13, torch.Tensor):
+        check_tensor(op, name, w13, ndim=3)
+        return w13.shape[0]
+    E = getattr(w13, "E", None)
+    if not isinstance(E, int):
+        fail(op, name, f"must be a 3-D weight tensor or prepacked weights, got {type(w13).__name__}")
+    return E
 
 
 def _shared_weights(x: torch.Tensor, shared: SharedExpert, ops) -> torch.Tensor:
@@ -115,7 +128,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
     Args:
         x: [T, H] bf16 (float64: the reference's exact mode). router_weight: [E, H] f32.
         w13, w2 and their scales/biases: one of fused_experts' weight formats (`quant`),
-            with the same E as router_weight.
+            with the same E as router_weight (or weights prepacked for `ops`, w2 None).
         top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps: `route`'s.
         router_bias: [E] f32 (GPT-OSS), added to the logits.
         quant, activation, alpha, limit, dispatch, apply_router_weight_on_input: `fused_experts`'.
@@ -135,8 +148,7 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
         if not callable(getattr(ops, name, None)):
             fail(op, "ops", f"must provide callables {', '.join(_OP_NAMES)}; '{name}' is missing")
     check_tensor(op, "router_weight", router_weight, ndim=2)
-    check_tensor(op, "w13", w13, ndim=3)
-    E = w13.shape[0]
+    E = _n_experts(op, "w13", w13)
     if router_weight.shape[0] != E:
         fail(op, "router_weight", f"must have one row per expert of w13 (E = {E}), "
                                   f"got {router_weight.shape[0]} rows")
@@ -148,7 +160,9 @@ def moe_forward(x: torch.Tensor, router_weight: torch.Tensor, w13: torch.Tensor,
             fail(op, "shared", f"must be a SharedExpert or None, got {type(shared).__name__}")
         check_choice(op, "shared", shared.quant, QUANT_FORMATS)
         check_choice(op, "shared", shared.activation, ACTIVATIONS)
-        check_tensor(op, "shared", shared.w13, ndim=3, shape=(1, None, None))
+        n_shared = _n_experts(op, "shared", shared.w13)
+        if n_shared != 1:
+            fail(op, "shared", f"must hold one expert (w13 of shape (1, 2S, H)), got {n_shared}")
         if shared.gate is not None:
             check_tensor(op, "shared", shared.gate, shape=(1, x.shape[-1] if x.dim() == 2 else None))
 
