@@ -85,6 +85,13 @@ def check_tensor(op: str, name: str, t, *, ndim: Optional[int] = None,
     return t
 
 
+def _exact_mismatch(op: str, name: str, other: str, t: torch.Tensor) -> None:
+    """A float64 `name` selects the reference's exact mode, which takes float64 throughout: the
+    message names the float64 argument, the one that is out of the ordinary."""
+    fail(op, name, f"is float64 (the reference's exact mode, float64 throughout), but '{other}' is "
+                   f"{str(t.dtype).replace('torch.', '')}; pass bf16/f32 inputs, or float64 everywhere")
+
+
 def check_int(op: str, name: str, v, lo: Optional[int] = None, hi: Optional[int] = None,
               what: str = "") -> int:
     if isinstance(v, bool) or not isinstance(v, int):
@@ -141,6 +148,8 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
     if method in BIAS_METHODS:
         if bias is None:
             fail(op, "bias", f"is required by method '{method}'")
+        if logits.dtype == torch.float64 and isinstance(bias, torch.Tensor) and bias.dtype != torch.float64:
+            _exact_mismatch(op, "logits", "bias", bias)
         bias_dtypes = (torch.float64,) if logits.dtype == torch.float64 else (torch.float32, torch.bfloat16)
         check_tensor(op, "bias", bias, shape=(E,), dtypes=bias_dtypes, device=logits.device)
     elif bias is not None:
@@ -287,6 +296,8 @@ def check_router_gemm(x, weight, *, exact: bool = False) -> None:
     H = x.shape[1]
     if H < 1:
         fail(op, "x", "must have H >= 1 columns")
+    if x.dtype == torch.float64 and isinstance(weight, torch.Tensor) and weight.dtype != torch.float64:
+        _exact_mismatch(op, "x", "weight", weight)
     w_dtypes = (torch.float64,) if x.dtype == torch.float64 else (torch.float32,)
     check_tensor(op, "weight", weight, ndim=2, dtypes=w_dtypes, shape=(None, H), device=x.device)
     if weight.shape[0] < 1:
@@ -398,6 +409,8 @@ def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2
     check_float(op, "limit", limit)
     if not isinstance(apply_router_weight_on_input, bool):
         fail(op, "apply_router_weight_on_input", f"must be a bool, got {type(apply_router_weight_on_input).__name__}")
+    if f64 and isinstance(w13, torch.Tensor) and w13.dtype != torch.float64:
+        _exact_mismatch(op, "x", "w13", w13)
     E, H, I = check_expert_weights(op, quant, w13, w2, w13_scale, w2_scale, dev, H, exact=f64)
     # Decision: biases may be f32 or bf16 (GPT-OSS checkpoints ship bf16); both are upcast to f32.
     bias_dtypes = (torch.float64,) if f64 else (torch.float32, torch.bfloat16)

@@ -373,7 +373,7 @@ ROUTER_ERRORS = [
     ("x 1-D", lambda: router_gemm(_t(4), _t(2, 4)), "x"),
     ("x int", lambda: router_gemm(_t(1, 4, dtype=torch.int32), _t(2, 4)), "x"),
     ("x float64 with an f32 weight (exact mode wants both f64)",
-     lambda: router_gemm(_t(1, 4, dtype=torch.float64), _t(2, 4)), "weight"),
+     lambda: router_gemm(_t(1, 4, dtype=torch.float64), _t(2, 4)), "x"),
     ("x H = 0", lambda: router_gemm(_t(1, 0), _t(2, 0)), "x"),
     ("x not a tensor", lambda: router_gemm([[1.0]], _t(2, 1)), "x"),
     ("weight bf16", lambda: router_gemm(_t(1, 4, dtype=bf16), _t(2, 4, dtype=bf16)), "weight"),

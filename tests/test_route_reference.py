@@ -462,7 +462,7 @@ ERROR_CASES = [
     ("logits 3-D", (L(2, 2, 8), 2, "softmax_topk"), {}, "logits"),
     ("logits int32", (L(2, 8, dtype=torch.int32), 2, "softmax_topk"), {}, "logits"),
     ("logits float64 with an f32 bias", (L(2, 8, dtype=torch.float64), 2, "sigmoid_bias"), dict(bias=L(8)),
-     "bias"),
+     "logits"),
     ("logits float32 with an f64 bias", (L(2, 8), 2, "sigmoid_bias"), dict(bias=L(8, dtype=torch.float64)),
      "bias"),
     ("logits a list", ([[0.0] * 8], 2, "softmax_topk"), {}, "logits"),
