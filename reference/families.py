@@ -30,6 +30,9 @@ Decisions (SPEC 6 leaves them to the project; docs/families.md says the same):
   (its router takes the top K logits and applies sigmoid to each).
 - DeepSeek-V3-style routers are grouped_sigmoid_bias for every n_group (n_group = 1 keeps the one
   group, the same selection as sigmoid_bias), as transformers computes them.
+- renormalize=None is the route method's default (on for the biased methods, off otherwise): the
+  presets of the biased methods leave it None when the model renormalizes, False when it does not
+  (norm_topk_prob false), so a call that needs no SPEC 6 amendment does not pass one.
 - Ties: transformers' torch.topk(sorted=False) leaves the order of the K ids unspecified and
   its group top-k leaves tied groups unordered; moelab's route orders slots by key, ties lower
   index first. The conformance tests use tie-free inputs and compare ids as sets where
@@ -130,20 +133,20 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
        hf_f32="logits", hf_sorted=False,
        notes="DeepSeek-V2, topk_method group_limited_greedy (group score = max p; dropped experts get p = 0)"),
     _f("deepseek_v3", "deepseek_v3", "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE", "grouped_sigmoid_bias",
-       8, 256, 7168, 2048, renormalize=True, scaling=2.5, n_group=8, topk_group=4, route_bias=True, shared_I=2048,
+       8, 256, 7168, 2048, renormalize=None, scaling=2.5, n_group=8, topk_group=4, route_bias=True, shared_I=2048,
        hf_f32="logits", hf_sorted=False, notes="DeepSeek-V3 / R1"),
     _f("deepseek_v3_no_norm", "deepseek_v3", "deepseek_v3.modeling_deepseek_v3.DeepseekV3MoE", "grouped_sigmoid_bias",
        8, 384, 7168, 2048, renormalize=False, scaling=2.827, n_group=1, topk_group=1, route_bias=True, shared_I=2048,
        hf_f32="logits", hf_sorted=False,
        notes="DeepSeek-V3 code with norm_topk_prob false, Kimi-K2 shapes: w = s[sel] * scaling"),
     _f("glm4_moe", "glm4_moe", "glm4_moe.modeling_glm4_moe.Glm4MoeMoE", "grouped_sigmoid_bias", 8, 160, 5120, 1536,
-       renormalize=True, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=1536,
+       renormalize=None, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=1536,
        hf_f32="logits", hf_sorted=False, notes="GLM-4.5; DeepSeek-V3's router"),
     _f("kimi_linear", "kimi_linear", "kimi_linear.modeling_kimi_linear.KimiLinearMoE", "grouped_sigmoid_bias",
-       8, 256, 2304, 1024, renormalize=True, scaling=2.446, n_group=1, topk_group=1, route_bias=True, shared_I=1024,
+       8, 256, 2304, 1024, renormalize=None, scaling=2.446, n_group=1, topk_group=1, route_bias=True, shared_I=1024,
        hf_f32="logits", hf_sorted=False, notes="Kimi-Linear-48B-A3B; DeepSeek-V3's router"),
     _f("minimax_m2", "minimax_m2", "minimax_m2.modeling_minimax_m2.MiniMaxM2SparseMoeBlock", "sigmoid_bias",
-       8, 256, 3072, 1536, renormalize=True, route_bias=True, hf_f32="probs", hf_sorted=False,
+       8, 256, 3072, 1536, renormalize=None, route_bias=True, hf_f32="probs", hf_sorted=False,
        notes="MiniMax-M2; divides by the plain sum (route's 1e-20 is below float64 resolution of a sum ~1)"),
     _f("gpt_oss", "gpt_oss", "gpt_oss.modeling_gpt_oss.GptOssMLP", "topk_softmax", 4, 32, 2880, 2880,
        activation="swiglu_oai", alpha=1.702, limit=7.0, router_bias=True, expert_bias=True,
@@ -165,32 +168,32 @@ FAMILIES: dict[str, Family] = {f.name: f for f in [
        8, 64, 4096, 3072, renormalize=True, shared_I=3072, hf_f32="probs",
        notes="Hunyuan-A13B; routed and shared experts both of intermediate_size"),
     _f("dots1", "dots1", "dots1.modeling_dots1.Dots1MoE", "grouped_sigmoid_bias", 6, 128, 4096, 1408,
-       renormalize=True, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=2816,
+       renormalize=None, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=2816,
        hf_f32="logits", hf_sorted=False, notes="dots.llm1; DeepSeek-V3's router"),
     _f("hy_v3", "hy_v3", "hy_v3.modeling_hy_v3.HYV3MoE", "sigmoid_bias", 8, 192, 4096, 1536,
-       renormalize=True, scaling=2.826, route_bias=True, shared_I=1536, hf_f32="logits", hf_sorted=False,
+       renormalize=None, scaling=2.826, route_bias=True, shared_I=1536, hf_f32="logits", hf_sorted=False,
        notes="HY-V3 (config defaults); enable_moe_fp32_combine adds routed + shared in f32"),
     _f("afmoe", "afmoe", "afmoe.modeling_afmoe.AfmoeSparseMoeBlock", "sigmoid_bias", 6, 64, 2048, 1408,
-       renormalize=True, scaling=1.0, route_bias=True, shared_I=2816, hf_f32="logits",
+       renormalize=None, scaling=1.0, route_bias=True, shared_I=2816, hf_f32="logits",
        notes="AFMoE (config defaults); route_scale as scaling"),
     _f("cohere2_moe", "cohere2_moe", "cohere2_moe.modeling_cohere2_moe.Cohere2MoeSparseMoeBlock", "topk_softmax",
        2, 8, 8192, 22528, hf_f32="weights",
        notes="Cohere2-MoE (config defaults, no shared expert); expert_selection_fn sigmoid: sigmoid_topk; "
              "'average' with a shared expert: scaling 0.5 and shared_scale 0.5"),
     _f("lfm2_moe", "lfm2_moe", "lfm2_moe.modeling_lfm2_moe.Lfm2MoeSparseMoeBlock", "sigmoid_bias", 4, 32, 2048, 1792,
-       renormalize=True, norm_eps=1e-6, route_bias=True, notes="LFM2-8B-A1B; w / (sum + 1e-6) * scaling"),
+       renormalize=None, norm_eps=1e-6, route_bias=True, notes="LFM2-8B-A1B; w / (sum + 1e-6) * scaling"),
     _f("ernie4_5_moe", "ernie4_5_moe", "ernie4_5_moe.modeling_ernie4_5_moe.Ernie4_5_MoeSparseMoeBlock", "softmax_bias",
-       6, 64, 2560, 1536, renormalize=True, route_bias=True, shared_I=3072, hf_f32="logits",
+       6, 64, 2560, 1536, renormalize=None, route_bias=True, shared_I=3072, hf_f32="logits",
        notes="ERNIE-4.5-21B-A3B; bias stored [1, E]; w / max(sum, moe_norm_min)"),
     # Further transformers families with the same blocks (byte-identical router/experts/block code):
     _f("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe.modeling_qwen3_5_moe.Qwen3_5MoeSparseMoeBlock", "softmax_topk",
        8, 256, 2048, 512, renormalize=True, shared_I=512, shared_gate=True, hf_f32="probs",
        notes="Qwen3.5-MoE text model: Qwen3-Next's block, router always renormalizes"),
     _f("glm4_moe_lite", "glm4_moe_lite", "glm4_moe_lite.modeling_glm4_moe_lite.Glm4MoeLiteMoE", "grouped_sigmoid_bias",
-       4, 64, 2048, 1536, renormalize=True, scaling=1.8, n_group=1, topk_group=1, route_bias=True, shared_I=1536,
+       4, 64, 2048, 1536, renormalize=None, scaling=1.8, n_group=1, topk_group=1, route_bias=True, shared_I=1536,
        hf_f32="logits", hf_sorted=False, notes="GLM-4.7-Flash-style (config defaults); DeepSeek-V3's router"),
     _f("exaone_moe", "exaone_moe", "exaone_moe.modeling_exaone_moe.ExaoneMoeSparseMoEBlock", "grouped_sigmoid_bias",
-       8, 128, 6144, 2048, renormalize=True, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=2048,
+       8, 128, 6144, 2048, renormalize=None, scaling=2.5, n_group=1, topk_group=1, route_bias=True, shared_I=2048,
        hf_f32="logits", hf_sorted=False, notes="EXAONE-MoE (config defaults); DeepSeek-V3's router"),
 ]}
 
@@ -359,7 +362,7 @@ def _v3_router(name, E_keys=("n_routed_experts", "num_local_experts"), shared_ke
         norm = _bool(cfg, norm_keys, _hf_default(fam.model_type, "norm_topk_prob") if default_norm is None else default_norm)
         if name == "deepseek_v3" and not norm:
             fam = FAMILIES["deepseek_v3_no_norm"]
-        kw = dict(renormalize=norm, scaling=_float(cfg, "routed_scaling_factor", 1.0),
+        kw = dict(renormalize=None if norm else False, scaling=_float(cfg, "routed_scaling_factor", 1.0),
                   shared_I=I * _int(cfg, shared_keys, 0, minimum=0), **_groups(cfg, E, K, group_keys))
         return _sizes(fam, cfg, E, K, I, **kw)
     return read
@@ -439,7 +442,8 @@ def _read_cohere2(cfg):
 def _read_lfm2(cfg):
     E, K, I = _int(cfg, "num_experts"), _int(cfg, "num_experts_per_tok"), _int(cfg, "moe_intermediate_size")
     _bool(cfg, "use_expert_bias", True)     # either way: sigmoid_bias (zero bias without one)
-    return _sizes(FAMILIES["lfm2_moe"], cfg, E, K, I, renormalize=_bool(cfg, "norm_topk_prob", True),
+    norm = _bool(cfg, "norm_topk_prob", True)
+    return _sizes(FAMILIES["lfm2_moe"], cfg, E, K, I, renormalize=None if norm else False,
                   scaling=_float(cfg, "routed_scaling_factor", 1.0))
 
 
@@ -683,7 +687,8 @@ def run_block(block: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """block(x) as a tensor: GPT-OSS and Llama 4 return (hidden, router output) tuples."""
     with torch.no_grad():
         out = block(x)
-    return out[0] if isinstance(out, tuple) else out
+    out = out[0] if isinstance(out, tuple) else out
+    return out.reshape(x.shape)                 # Llama 4 returns [tokens, H]
 
 
 def transformers_bf16(block: torch.nn.Module) -> torch.nn.Module:
@@ -833,7 +838,9 @@ def moe_layer(x: torch.Tensor, family: Family, weights: MoEWeights, *, ops=None,
 # ----------------------------------------------------------------------------- transformers' routing
 def transformers_route(block, family: Family, x: torch.Tensor):
     """The transformers router's own (weights [T, K], ids [T, K] int64) for x [..., H], as it
-    hands them to its experts (unsorted where it uses torch.topk(sorted=False))."""
+    hands them to its experts (unsorted where it uses torch.topk(sorted=False)), times any factor
+    the block applies to the routed output after its experts (Cohere2's "average": 0.5), so that
+    they are comparable with route's weights for the family."""
     h = x.reshape(-1, x.shape[-1])
     with torch.no_grad():
         name = family.name
@@ -841,7 +848,9 @@ def transformers_route(block, family: Family, x: torch.Tensor):
             scores, _ = block.router(h)                          # [T, E], 0 off the selection
             ids = torch.topk(scores, family.top_k, dim=1).indices
             return scores.gather(1, ids), ids
-        if name in ("gpt_oss", "granitemoe", "aria", "jamba"):
+        if hasattr(block, "route_tokens_to_experts"):           # Jamba in older transformers 5.x
+            out = block.route_tokens_to_experts(h, block.router(h))
+        elif name in ("gpt_oss", "granitemoe", "aria", "jamba"):
             out = block.router(h)
         elif name == "afmoe":
             out = block.router(h.unsqueeze(0), block.expert_bias)
@@ -851,5 +860,10 @@ def transformers_route(block, family: Family, x: torch.Tensor):
             out = block.gate(h, block.expert_bias if block.use_expert_bias else None)
         else:
             out = block.gate(h)
-        _, w, ids = out
+    # (logits, weights, ids) in most versions; Aria's router has returned (ids, weights, logits):
+    # the ids are the integer tensor, the weights the float one of the same shape.
+    ids = next(t for t in out if not t.is_floating_point())
+    w = next(t for t in out if t.is_floating_point() and t.shape == ids.shape)
+    if family.shared_scale != 1.0 and getattr(block, "shared_expert_combination_strategy", "") == "average":
+        w = w * 0.5                 # Cohere2 halves (routed + shared) after the router: route's scaling 0.5
     return w, ids
