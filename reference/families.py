@@ -205,7 +205,7 @@ UNSUPPORTED: dict[str, str] = {
                            "a router in f32 with jitter: capacity dropping is a dispatch-level feature",
     "nllb_moe": "top-2 router with expert capacity, second-expert sampling/normalization policy and "
                 "dropped tokens; ungated ReLU experts (fc1/fc2)",
-    "deepseek_v4": "hash routing (a token-id -> expert table) in some layers, sqrt-softplus scores: "
+    "deepseek_v4": "hash routing (a token-id -> expert table, DeepseekV4HashRouter) in its hash_moe layers: "
                    "a route method with the token ids as input",
     "nemotron_h": "latent experts (moe_latent_size projections around the experts) with an ungated relu2 "
                   "activation: needs an ungated activation and the latent projections",
@@ -214,8 +214,9 @@ UNSUPPORTED: dict[str, str] = {
     "doge": "CDMoE product-key retrieval experts (single-neuron experts chosen by two sub-key top-ks)",
     "jetmoe": "mixture of attention heads (MoA) beside the MoE MLP; the MLP experts are ungated-able "
               "parallel experts with a top-k-softmax router (JetMoeMoE would need its own expert layout)",
-    "dbrx": "DbrxExperts: per-expert w1/v1/w2 with a router softmax then top-k and a p-norm "
-            "renormalization (moe_normalize_expert_weights): needs an L-p renormalize option",
+    "dbrx": "router softmax, top-k, then division by the L-p norm of the K weights "
+            "(moe_normalize_expert_weights): p = 1 is renormalize=True and None is False, other p need an "
+            "L-p option; its experts (w1, v1, w2 stored per expert as [I, H] blocks) need a converter: not a preset yet",
     "gemma4": "router with an RMSNorm, a learned input scale and a per-expert output scale "
               "(per_expert_scale[ids]): needs per-expert weight factors",
     "mistral4": "DeepSeek-V3's group rule (sum of the top two) on softmax scores without a bias: a "
