@@ -6,6 +6,7 @@
 
 Modules:
     registry       one OpInfo entry per op: case generator, comparison, error inputs
+    families       one entry per model family preset (`layer.<family>`), judged stage by stage
     distributions  routing skew (uniform, zipf, hot_expert, ...) and GEMM operand shapes
     tolerance      the tolerance rule (FlashAttention-style, normalized) and eager baselines
     runner         hypothesis-driven cells under a time budget, shrinking, corpus, bad inputs
@@ -14,4 +15,5 @@ Modules:
     corpus/        failing cases found so far (JSON lines), replayed by the test suite
 """
 from .registry import REGISTRY, CaseResult, OpInfo  # noqa: F401  (the public API)
+from . import families  # noqa: F401,E402  (registers layer.<family> for every preset)
 from .runner import run, run_case, run_cell, run_mutants  # noqa: F401

@@ -18,6 +18,7 @@ from typing import List
 
 import torch
 
+from .families import family_mutants
 from .registry import REGISTRY, Mutant
 
 TWO_M10 = 2.0 ** -10
@@ -468,6 +469,10 @@ MUTANTS: List[Mutant] = [
            route_variant_outside_mode, dists=("uniform",), fixed={"bi": True, "method": "softmax_topk"},
            kind="batch_invariance"),
 ]
+
+
+# The MoE layer of every model family (verify/families.py): a stage kernel and a composition bug.
+MUTANTS += family_mutants(Mutant)
 
 
 def all_mutants() -> List[Mutant]:
