@@ -101,10 +101,12 @@ def route_fallback(logits, top_k, method, **kwargs):
     """route off the CPU: the device's moelab::route kernel if one is registered (meta: shapes
     only), else the reference (same results, reference speed)."""
     if _has_kernel("moelab::route", logits.device.type):
+        eps = kwargs.get("norm_eps")
         return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
                                               float(kwargs.get("scaling", 1.0)),
-                                              kwargs.get("renormalize", False),
-                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1))
+                                              kwargs.get("renormalize"),
+                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1),
+                                              None if eps is None else float(eps))
     from reference.route import route as reference_route
     return reference_route(logits, top_k, method, **kwargs)
 

@@ -1,17 +1,20 @@
-"""optimized.route: top-k expert selection on the CPU (SPEC section 1), backed by
+"""optimized.route: top-k expert selection on the CPU (SPEC sections 1 and 6), backed by
 torch.ops.moelab.route; csrc/cpu/route_kernel.h describes the algorithm and its cost.
 
-Same signature, validation and results as reference.route: ids are identical wherever the
-keys are (the tie rule is exact, on every ISA level, for any thread count and batch). The
-kernel's sigmoid/softmax keys are within one ulp of the reference's exactly rounded ones
-(~96% identical); where that reorders two keys an ulp apart, the ids differ by a near-tie
-flip (reference.route's docstring), never for exactly equal keys. Weights: within 1-2 ulps
-(p, s, softmax over the selected), up to ~4 after a normalization by their sum.
+Same signature, validation and results as reference.route (float32/bfloat16/float16 logits;
+the reference's float64 exact mode is refused here, ValueError naming 'logits'): ids are
+identical wherever the keys are (the tie rule is exact, on every ISA level, for any thread
+count and batch). The kernel's sigmoid/softmax keys are within one ulp of the reference's
+exactly rounded ones (~96% identical); where that reorders two keys an ulp apart, the ids
+differ by a near-tie flip (reference.route's docstring), never for exactly equal keys.
+Weights: within 1-2 ulps (p, s, softmax over the selected), up to ~4 after a normalization
+by their sum, one more after a scaling.
 
 The op itself, for direct use (same checks, RuntimeError naming the argument):
-    torch.ops.moelab.route(logits, top_k, method, bias=None, scaling=1.0, renormalize=False,
-                           n_group=1, topk_group=1) -> (weights, ids)
-with method given by name.
+    torch.ops.moelab.route(logits, top_k, method, bias=None, scaling=1.0, renormalize=None,
+                           n_group=1, topk_group=1, norm_eps=None) -> (weights, ids)
+with method given by name; renormalize and norm_eps left None take the method's defaults
+(resolved in C++ exactly as reference.validate.check_route resolves them).
 """
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from reference.validate import check_route
+from reference.validate import RENORMALIZE_DEFAULT, check_route
 
 from . import _fake, dispatch
 
@@ -27,8 +30,8 @@ _op = torch.ops.moelab.route.default
 
 
 @torch.library.register_fake("moelab::route")
-def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=False, n_group=1,
-                topk_group=1):
+def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=None, n_group=1,
+                topk_group=1, norm_eps=None):
     _fake.check("route", ("logits", logits, 2), ("bias", bias, 1))
     _fake.check_positive("route", "top_k", top_k)
     T = logits.shape[0]
@@ -38,7 +41,8 @@ def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=False
 
 def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch.Tensor] = None,
           n_group: int = 1, topk_group: int = 1, scaling: float = 1.0,
-          renormalize: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+          renormalize: Optional[bool] = None,
+          norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Same contract as reference.route: (weights [T, K] f32, ids [T, K] int32).
 
     Validation is reference.validate.check_route (ValueError naming the argument). CPU
@@ -46,17 +50,21 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
     a row stride (a column slice of a wider matrix) are read in place; a non-unit stride
     along E, or a strided bias, is copied first.
     """
-    check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize)
+    _, eps = check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
     if not logits.is_cpu:
         return dispatch.route_fallback(logits, top_k, method, bias=bias, n_group=n_group,
-                                       topk_group=topk_group, scaling=scaling, renormalize=renormalize)
+                                       topk_group=topk_group, scaling=scaling, renormalize=renormalize,
+                                       norm_eps=norm_eps)
     # Layouts are the binding's business (strided rows read in place, other strides copied).
     # Arguments left at the schema's defaults are not passed: each one costs ~0.1 us of
-    # argument parsing in the dispatcher, which is most of a decode step's route call.
-    if n_group != 1 or topk_group != 1:
-        return _op(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group)
-    if renormalize:
-        return _op(logits, top_k, method, bias, 1.0, True)
+    # argument parsing in the dispatcher, which is most of a decode step's route call. The op
+    # resolves renormalize=None / norm_eps=None to the method's defaults, as check_route does,
+    # so an explicit renormalize equal to the default is not passed either.
+    if n_group != 1 or topk_group != 1 or norm_eps is not None:
+        return _op(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group,
+                   None if norm_eps is None else eps)
+    if renormalize is not None and renormalize != RENORMALIZE_DEFAULT[method]:
+        return _op(logits, top_k, method, bias, float(scaling), renormalize)
     if scaling != 1.0:
         return _op(logits, top_k, method, bias, float(scaling))
     return _op(logits, top_k, method, bias)

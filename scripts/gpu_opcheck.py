@@ -88,6 +88,11 @@ ROUTE_CASES = [
     (1024, 32, "grouped_sigmoid_bias", 16, 4, torch.bfloat16),
     (2048, 12, "sigmoid_topk", 1, 1, torch.float32),
     (160, 1, "llama4", 1, 1, torch.float32),
+    # SPEC 6: DeepSeek-V2 group_limited_greedy and Ernie 4.5 (warp and block tiers)
+    (160, 6, "grouped_softmax", 10, 3, torch.bfloat16),
+    (1024, 16, "grouped_softmax", 8, 3, torch.float32),
+    (64, 8, "softmax_bias", 1, 1, torch.float32),
+    (896, 16, "softmax_bias", 1, 1, torch.bfloat16),
 ]
 
 
@@ -100,10 +105,12 @@ def route_case(E, K, method, ng, tg, dtype, T=67, ties=False):
         x[1, 3] = float("inf")
         x[2, ::2] = -0.0
     bias = None
-    if method in ("sigmoid_bias", "grouped_sigmoid_bias"):
-        bias = (torch.randn(E, generator=gen) * 0.1).float()
-    scaling = 2.5 if bias is not None else 1.0
-    renorm = method in ("softmax_topk", "sigmoid_topk")
+    if method in ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias"):
+        bias = (torch.randn(E, generator=gen) * (0.1 if method != "softmax_bias" else 0.1 / E)).float()
+    # SPEC 6: scaling on every method; renormalize None = the method's default (on for the
+    # biased methods), True for the softmax/sigmoid top-k, off for DeepSeek-V2's grouped_softmax
+    scaling = 2.5 if bias is not None or method == "grouped_softmax" else 1.0
+    renorm = True if method in ("softmax_topk", "sigmoid_topk") else None
     return x, bias, dict(n_group=ng, topk_group=tg, scaling=scaling, renormalize=renorm)
 
 

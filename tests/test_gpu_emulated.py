@@ -20,10 +20,14 @@ import pytest
 import torch
 
 import reference
+from reference.validate import NORM_EPS_DEFAULT, RENORMALIZE_DEFAULT, check_route
 
 from . import gpu_emu
 
-METHODS = ["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4"]
+METHODS = ["softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4",
+           "grouped_softmax", "softmax_bias"]   # index = the kernels' method code
+BIASED = ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+GROUPED = ("grouped_sigmoid_bias", "grouped_softmax")
 WARPS = [32, 64]
 
 
@@ -45,8 +49,9 @@ def _route_inputs(T, E, K, method, dtype, seed, special):
         x = torch.randn(T, E, generator=g) * 3
     x = x.to(dtype)
     bias = None
-    if method in ("sigmoid_bias", "grouped_sigmoid_bias"):
-        bias = (torch.randint(-2, 3, (E,), generator=g) / 8).float() if special else torch.randn(E, generator=g) * 0.2
+    if method in BIASED:
+        scale = 0.01 if method == "softmax_bias" else 0.2     # p is small: a bias of p's size
+        bias = (torch.randint(-2, 3, (E,), generator=g) / 8).float() if special else torch.randn(E, generator=g) * scale
     return x, bias
 
 
@@ -55,6 +60,19 @@ ROUTE_SHAPES = [  # (E, K, n_group, topk_group): every row of the tier table on 
     (384, 12, 4, 2), (512, 8, 8, 4), (512, 16, 8, 4), (896, 16, 4, 2), (1024, 9, 32, 8), (1536, 32, 1, 1),
     (2048, 20, 1, 1),
 ]
+
+
+def _route_variants(method):
+    """SPEC 6 arguments per method: the defaults, renormalize flipped from the default with a
+    scaling, and (methods with one) norm_eps small and large enough to change the weights."""
+    out = [{}]
+    if method != "llama4":
+        out.append(dict(renormalize=not RENORMALIZE_DEFAULT[method], scaling=2.5))
+    else:
+        out.append(dict(renormalize=False, scaling=0.5))
+    if method in NORM_EPS_DEFAULT:
+        out += [dict(renormalize=True, norm_eps=1e-6, scaling=0.5), dict(renormalize=True, norm_eps=0.75)]
+    return out
 
 
 @pytest.mark.parametrize("E,K,ng,tg", ROUTE_SHAPES)
@@ -66,25 +84,26 @@ def test_route_matches_reference_bit_for_bit(emu, E, K, ng, tg, special):
             k = 1
         else:
             k = K
-        if method == "grouped_sigmoid_bias" and (E > 1024 or ng == 1 or E % ng or E // ng < 2 or k > tg * (E // ng)):
+        if method in GROUPED and (E > 1024 or ng == 1 or E % ng or E // ng < 2 or k > tg * (E // ng)):
             continue
-        ngr, tgr = (ng, tg) if method == "grouped_sigmoid_bias" else (1, 1)
+        ngr, tgr = (ng, tg) if method in GROUPED else (1, 1)
         dtype = [torch.float32, torch.bfloat16, torch.float16][(E + mi) % 3]
         x, bias = _route_inputs(T, E, k, method, dtype, E * 7 + mi, special)
-        scaling = 2.5 if bias is not None else 1.0
-        for renorm in ([False, True] if method in ("softmax_topk", "sigmoid_topk") else [False]):
-            st, w, ids = emu.route(x, k, mi, bias, ngr, tgr, scaling, renorm)
+        for kw in _route_variants(method):
+            scaling = kw.get("scaling", 1.0)
+            # the launcher takes renormalize and norm_eps resolved, as the torch binding passes them
+            renorm, eps = check_route(x, k, method, bias, ngr, tgr, scaling, kw.get("renormalize"), kw.get("norm_eps"))
+            st, w, ids = emu.route(x, k, mi, bias, ngr, tgr, scaling, renorm, eps)
             assert st == 0
-            wr, ir = reference.route(x, k, method, bias=bias, n_group=ngr, topk_group=tgr, scaling=scaling,
-                                     renormalize=renorm)
-            assert torch.equal(ids, ir), (method, renorm, ids, ir)
-            assert torch.equal(w.isnan(), wr.isnan()), (method, w, wr)
-            assert torch.allclose(w, wr, rtol=2e-7, atol=0, equal_nan=True), (method, (w - wr).abs().max())
+            wr, ir = reference.route(x, k, method, bias=bias, n_group=ngr, topk_group=tgr, **kw)
+            assert torch.equal(ids, ir), (method, kw, ids, ir)
+            assert torch.equal(w.isnan(), wr.isnan()), (method, kw, w, wr)
+            assert torch.allclose(w, wr, rtol=2e-7, atol=0, equal_nan=True), (method, kw, (w - wr).abs().max())
 
 
 def test_route_strided_rows_and_plan(emu):
     x = torch.randn(5, 300)[:, 10:266]          # rows 300 apart
-    st, w, ids = emu.route(x, 8, 2, None, 1, 1, 1.0, False)
+    st, w, ids = emu.route(x, 8, 2, None, 1, 1, 1.0, False, 1e-20)
     wr, ir = reference.route(x.contiguous(), 8, "sigmoid_topk")
     assert st == 0 and torch.equal(ids, ir) and torch.equal(w, wr)
     W = emu.warp_size()
@@ -95,11 +114,18 @@ def test_route_strided_rows_and_plan(emu):
 
 def test_route_launcher_rejects_bad_arguments(emu):
     x = torch.randn(3, 64)
-    assert emu.route(x, 33, 0, None, 1, 1, 1.0, False)[0] < 0     # K > 32
-    assert emu.route(x, 2, 5, None, 1, 1, 1.0, False)[0] < 0      # llama4 with K != 1
-    assert emu.route(x, 2, 3, None, 1, 1, 1.0, False)[0] < 0      # sigmoid_bias without bias
-    assert emu.route(x, 4, 4, torch.zeros(64), 5, 2, 1.0, False)[0] < 0   # 64 % 5 != 0
-    assert emu.route(torch.randn(0, 64), 4, 0, None, 1, 1, 1.0, False)[0] == 0
+    assert emu.route(x, 33, 0, None, 1, 1, 1.0, False, 0.0)[0] < 0     # K > 32
+    assert emu.route(x, 2, 5, None, 1, 1, 1.0, False, 0.0)[0] < 0      # llama4 with K != 1
+    assert emu.route(x, 1, 5, None, 1, 1, 1.0, True, 0.0)[0] < 0       # llama4 renormalized
+    assert emu.route(x, 2, 3, None, 1, 1, 1.0, False, 0.0)[0] < 0      # sigmoid_bias without bias
+    assert emu.route(x, 2, 7, None, 1, 1, 1.0, True, 1e-12)[0] < 0     # softmax_bias without bias
+    assert emu.route(x, 4, 4, torch.zeros(64), 5, 2, 1.0, False, 0.0)[0] < 0   # 64 % 5 != 0
+    assert emu.route(x, 4, 6, None, 5, 2, 1.0, False, 0.0)[0] < 0      # grouped_softmax, 64 % 5 != 0
+    assert emu.route(x, 9, 6, None, 8, 1, 1.0, False, 0.0)[0] < 0      # grouped_softmax, K > 1 * 8
+    assert emu.route(x, 2, 8, None, 1, 1, 1.0, False, 0.0)[0] < 0      # no method 8
+    assert emu.route(x, 2, 2, None, 1, 1, 1.0, True, -1.0)[0] < 0      # norm_eps < 0
+    assert emu.route(x, 2, 2, None, 1, 1, 1.0, True, float("nan"))[0] < 0
+    assert emu.route(torch.randn(0, 64), 4, 0, None, 1, 1, 1.0, False, 0.0)[0] == 0
 
 
 # ------------------------------------------------------------------------- permute

@@ -83,6 +83,15 @@ def route_softmax():
     return {**route_base(), "method": "softmax_topk", "bias": None, "scaling": 1.0, "renormalize": True}
 
 
+# SPEC 6: the methods added in December, with renormalize and norm_eps set
+def route_grouped_softmax():
+    return {**route_softmax(), "method": "grouped_softmax", "scaling": 2.5, "n_group": 4, "topk_group": 2}
+
+
+def route_softmax_bias():
+    return {**route_base(), "method": "softmax_bias", "renormalize": None, "norm_eps": 1e-6}
+
+
 def router_gemm_base():
     g = _gen(2)
     return dict(x=torch.randn(5, 24, generator=g).to(torch.bfloat16), weight=torch.randn(8, 24, generator=g))
@@ -223,7 +232,7 @@ def prepack_mx():
 
 
 BASES = {
-    "route": [route_base, route_grouped, route_softmax],
+    "route": [route_base, route_grouped, route_softmax, route_grouped_softmax, route_softmax_bias],
     "router_gemm": [router_gemm_base],
     "skinny_gemm": [skinny_base],
     "permute": [permute_base, permute_map],
@@ -318,8 +327,27 @@ bad("route", route_base, "bias", "size0", bias=torch.zeros(0))
 bad("route", route_base, "bias", "huge-expanded", bias=torch.zeros(1).expand(2 ** 40))
 for s in (NAN, INF, -INF):
     bad("route", route_base, "scaling", f"{s}", scaling=s)
-bad("route", route_softmax, "scaling", "not-used", scaling=2.0)
-bad("route", route_base, "renormalize", "sigmoid_bias", renormalize=True)
+for s in (NAN, INF):   # scaling applies to every method (SPEC 6), finite
+    bad("route", route_softmax, "scaling", f"softmax-{s}", scaling=s)
+bad("route", route_softmax, "renormalize", "llama4", method="llama4", top_k=1)
+for e in (NAN, INF, -INF, -1e-6, -0.5):
+    bad("route", route_base, "norm_eps", f"{e}", norm_eps=e)
+    bad("route", route_softmax_bias, "norm_eps", f"softmax_bias-{e}", norm_eps=e)
+for m in ("softmax_topk", "topk_softmax"):   # methods that divide by the plain sum
+    bad("route", route_softmax, "norm_eps", f"{m}", method=m, norm_eps=1e-6)
+bad("route", route_softmax, "norm_eps", "llama4", method="llama4", top_k=1, renormalize=None, norm_eps=0.0)
+bad("route", route_grouped_softmax, "norm_eps", "grouped_softmax", norm_eps=1e-6)
+bad("route", route_softmax_bias, "bias", "softmax_bias-missing", bias=None)
+bad("route", route_softmax_bias, "bias", "softmax_bias-size-E+1", bias=torch.zeros(E_R + 1))
+bad("route", route_softmax_bias, "bias", "softmax_bias-dtype-f16", bias=recast("bias", torch.float16))
+bad("route", route_grouped_softmax, "bias", "grouped_softmax-given", bias=torch.zeros(E_R))
+for n in (0, 3, 16, 33):
+    bad("route", route_grouped_softmax, "n_group", f"grouped_softmax-{n}", n_group=n)
+for n in (0, 5):
+    bad("route", route_grouped_softmax, "topk_group", f"grouped_softmax-{n}", topk_group=n)
+bad("route", route_grouped_softmax, "top_k", "grouped_softmax-more-than-kept-groups", top_k=9)
+bad("route", route_grouped_softmax, "logits", "grouped_softmax-E2048", logits=torch.zeros(5, 2048), n_group=8)
+bad("route", route_softmax_bias, "n_group", "softmax_bias-not-grouped", n_group=2)
 for n in (0, -4, 3, 16, 33, 2 ** 40):
     bad("route", route_grouped, "n_group", f"{n}", n_group=n)
 bad("route", route_base, "n_group", "not-grouped", n_group=2)

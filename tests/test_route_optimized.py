@@ -24,17 +24,20 @@ import torch
 import optimized
 from reference.route import route as reference_route, selection_keys
 from optimized import dispatch
+from reference.validate import NORM_EPS_DEFAULT, RENORMALIZE_DEFAULT, ROUTE_METHODS, check_route
 from tests.test_route_reference import ERROR_CASES
 
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4")
-BIASED = ("sigmoid_bias", "grouped_sigmoid_bias")
+METHODS = ROUTE_METHODS   # softmax_topk ... llama4, grouped_softmax, softmax_bias (SPEC 1 and 6)
+BIASED = ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+GROUPED = ("grouped_sigmoid_bias", "grouped_softmax")
 EXACT_KEY_METHODS = ("topk_softmax", "llama4")          # keys are the logits themselves
 ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NEAR_TIE_ULPS = 4
 WEIGHT_ULPS = {"softmax_topk": 2, "topk_softmax": 2, "sigmoid_topk": 2, "llama4": 2,
-               "sigmoid_bias": 6, "grouped_sigmoid_bias": 6}
+               "sigmoid_bias": 6, "grouped_sigmoid_bias": 6, "grouped_softmax": 2, "softmax_bias": 2}
 RENORM_WEIGHT_ULPS = 6
+SCALING_ULPS = 1          # one more rounding: the final multiplication by scaling
 op = torch.ops.moelab.route.default
 
 
@@ -57,15 +60,21 @@ def ulp_dist(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def make_kwargs(method, E, g, bias_dtype=torch.float32, n_group=None, topk_group=None, scaling=None,
-                renormalize=False):
+                renormalize=None, norm_eps=None):
+    """renormalize None: left unset (the method's default); norm_eps likewise."""
     kw = {}
     if method in BIASED:
-        kw["bias"] = (torch.randn(E, generator=g) * 0.3).to(bias_dtype)
+        # softmax_bias: p is ~1/E, so a bias of that size decides between experts
+        kw["bias"] = (torch.randn(E, generator=g) * (0.3 if method != "softmax_bias" else 0.3 / E)).to(bias_dtype)
         kw["scaling"] = 2.5 if scaling is None else scaling
-    if method == "grouped_sigmoid_bias":
+    elif scaling is not None:
+        kw["scaling"] = scaling
+    if method in GROUPED:
         kw["n_group"], kw["topk_group"] = n_group, topk_group
-    if renormalize:
-        kw["renormalize"] = True
+    if renormalize is not None:
+        kw["renormalize"] = renormalize
+    if norm_eps is not None:
+        kw["norm_eps"] = norm_eps
     return kw
 
 
@@ -73,7 +82,7 @@ def fit_k(method, E, K, kw):
     if method == "llama4":
         return 1
     K = min(K, E)
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED:
         K = min(K, kw["topk_group"] * (E // kw["n_group"]))
     return K
 
@@ -110,7 +119,11 @@ def check_against_reference(x, K, method, kw, *, allow_flips, cache_key=None):
         assert allow_flips, f"{method}: {flips} rows with different ids, e.g. {i0[~same][0]} vs {i1[~same][0]}"
         assert_near_tie_flips(x, K, method, kw, i0, i1)
         assert flips <= max(1, x.shape[0] // 100), f"{method}: {flips} near-tie flips in {x.shape[0]} rows"
-    tol = RENORM_WEIGHT_ULPS if kw.get("renormalize") else WEIGHT_ULPS[method]
+    renorm, _ = check_route(x, K, method, kw.get("bias"), kw.get("n_group", 1), kw.get("topk_group", 1),
+                            kw.get("scaling", 1.0), kw.get("renormalize"), kw.get("norm_eps"))
+    tol = RENORM_WEIGHT_ULPS if renorm else WEIGHT_ULPS[method]
+    if method not in ("sigmoid_bias", "grouped_sigmoid_bias") and kw.get("scaling", 1.0) != 1.0:
+        tol += SCALING_ULPS
     nan0, nan1 = torch.isnan(w0[same]), torch.isnan(w1[same])
     assert torch.equal(nan0, nan1)
     d = ulp_dist(w0[same][~nan0], w1[same][~nan0])
@@ -127,8 +140,8 @@ def assert_near_tie_flips(x, K, method, kw, i0, i1):
         a, b = i0[t].long(), i1[t].long()
         assert len(set(b.tolist())) == K and int(b.min()) >= 0 and int(b.max()) < x.shape[1]
         gap = int(ulp_dist(keys[t, a], keys[t, b])[a != b].max())
-        if method == "grouped_sigmoid_bias" and gap > NEAR_TIE_ULPS:
-            gap = group_score_gap(x[t:t + 1], kw)
+        if method in GROUPED and gap > NEAR_TIE_ULPS:
+            gap = group_score_gap(x[t:t + 1], method, kw)
         assert gap <= NEAR_TIE_ULPS, f"{method}: row {t} differs with a key gap of {gap} ulps"
 
 
@@ -143,12 +156,17 @@ def test_near_tie_classification_can_fail():
             assert_near_tie_flips(x, 2, "topk_softmax", {}, i0, torch.tensor(bad, dtype=torch.int32))
 
 
-def group_score_gap(x_row, kw):
-    """Smallest ulp gap between the topk_group-th and the next group score of one row."""
-    keys = selection_keys(x_row, "sigmoid_bias", kw["bias"])[0]
+def group_score_gap(x_row, method, kw):
+    """Smallest ulp gap between the topk_group-th and the next group score of one row
+    (grouped_sigmoid_bias: sum of a group's two largest keys; grouped_softmax: the largest)."""
+    if method == "grouped_sigmoid_bias":
+        keys = selection_keys(x_row, "sigmoid_bias", kw["bias"])[0]
+    else:
+        keys = selection_keys(x_row, "softmax_topk")[0]
     ng, tg = kw["n_group"], kw["topk_group"]
-    top2 = keys.view(ng, -1).topk(2, dim=-1).values.sum(-1)
-    s = top2.sort(descending=True).values
+    top = keys.view(ng, -1).topk(2, dim=-1).values
+    score = top.sum(-1) if method == "grouped_sigmoid_bias" else top[:, 0]
+    s = score.sort(descending=True).values
     if tg >= ng:
         return 0
     return int(ulp_dist(s[tg - 1:tg], s[tg:tg + 1])[0])
@@ -168,11 +186,11 @@ def test_random_logits_match_reference(isa, method):
     flips = 0
     for n, (T, E, K) in enumerate(SHAPES):
         gk = group_kwargs(E)
-        if method == "grouped_sigmoid_bias" and gk is None:
+        if method in GROUPED and gk is None:
             continue
         kw = make_kwargs(method, E, g, bias_dtype=(torch.bfloat16 if n % 2 else torch.float32),
-                         **(gk or {}) if method == "grouped_sigmoid_bias" else {},
-                         renormalize=(n % 3 == 0 and method in ("softmax_topk", "sigmoid_topk", "topk_softmax")))
+                         **(gk or {}) if method in GROUPED else {},
+                         renormalize=(True if n % 3 == 0 and method != "llama4" else None))
         Kf = fit_k(method, E, K, kw)
         for dt in DTYPES:
             x = (torch.randn(T, E, generator=g) * (1.0 + 3.0 * (n % 3))).to(dt)
@@ -188,6 +206,95 @@ def test_near_tie_flips_are_rare_on_many_rows(method):
     x = torch.randn(2048, 256, generator=g)
     kw = make_kwargs(method, 256, g)
     assert check_against_reference(x, 8, method, kw, allow_flips=True) <= 20
+
+
+# ------------------------------------------------------- SPEC 6: renormalize, scaling, norm_eps
+def spec6_variants(method):
+    """Every renormalize (unset / False / True, where allowed) x scaling (1, 2.5, 0.375) x
+    norm_eps (unset; where the method has one: 1e-6, LFM2's, and 0.75, large enough to
+    decide the weights: the max(sum, eps) floor binds and (sum + eps) moves)."""
+    renorms = (None, False) if method == "llama4" else (None, False, True)
+    epss = (None, 1e-6, 0.75) if method in NORM_EPS_DEFAULT else (None,)
+    return [(r, c, e) for r in renorms for c in (1.0, 2.5, 0.375) for e in epss]
+
+
+SPEC6_SHAPES = [(5, 16, 4), (9, 64, 8), (3, 256, 8), (2, 896, 16)]   # (T, E, K)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_spec6_arguments_match_reference(isa, method):
+    g = torch.Generator().manual_seed(600 + METHODS.index(method))
+    flips = 0
+    for n, (T, E, K) in enumerate(SPEC6_SHAPES):
+        gk = group_kwargs(E) if method in GROUPED else {}
+        base = make_kwargs(method, E, g, bias_dtype=(torch.bfloat16 if n % 2 else torch.float32), **gk)
+        Kf = fit_k(method, E, K, base)
+        x = (torch.randn(T, E, generator=g) * 2).to(DTYPES[n % 3])
+        for r, c, e in spec6_variants(method):
+            kw = {k: v for k, v in base.items() if k not in ("scaling", "renormalize", "norm_eps")}
+            kw["scaling"] = c
+            if r is not None:
+                kw["renormalize"] = r
+            if e is not None:
+                kw["norm_eps"] = e
+            flips += check_against_reference(x, Kf, method, kw, allow_flips=method not in EXACT_KEY_METHODS,
+                                             cache_key=("spec6", method, n, r, c, e))
+    assert flips <= 2
+
+
+@pytest.mark.parametrize("method", ["sigmoid_topk", "sigmoid_bias", "softmax_bias"])
+def test_norm_eps_decides_the_weights(method):
+    """A large norm_eps changes the weights in its family's form, as the reference computes."""
+    g = torch.Generator().manual_seed(61)
+    E = 64
+    x = torch.randn(4, E, generator=g) - (6.0 if method == "sigmoid_topk" else 0.0)   # small s: a small sum
+    kw = make_kwargs(method, E, g, scaling=1.0, renormalize=True)
+    w_default, _ = optimized.route(x, 4, method, **kw)
+    w_eps, ids = optimized.route(x, 4, method, norm_eps=0.75, **kw)
+    w_ref, ids_ref = reference_route(x, 4, method, norm_eps=0.75, **kw)
+    assert torch.equal(ids, ids_ref) and not torch.equal(w_eps, w_default)
+    assert int(ulp_dist(w_eps, w_ref).max()) <= RENORM_WEIGHT_ULPS
+
+
+def test_direct_op_defaults_keep_their_meaning():
+    """torch.ops.moelab.route with renormalize / norm_eps unset takes the method's defaults, as
+    reference.validate.check_route resolves them: a direct call written before SPEC 6 (which
+    never passed renormalize to a biased method) keeps its bits; an explicit False means it."""
+    g = torch.Generator().manual_seed(62)
+    x = torch.randn(6, 64, generator=g)
+    bias = torch.randn(64, generator=g) * 0.3
+    for method, b in (("sigmoid_bias", bias), ("softmax_bias", bias / 64), ("softmax_topk", None),
+                      ("sigmoid_topk", None)):
+        for args, kw in ((( ), {}), ((2.5,), dict(scaling=2.5)), ((2.5, False), dict(scaling=2.5, renormalize=False)),
+                         ((1.0, True), dict(renormalize=True))):
+            w, i = op(x, 8, method, b, *args)
+            w_opt, i_opt = optimized.route(x, 8, method, bias=b, **kw)
+            assert torch.equal(i, i_opt) and torch.equal(w.view(torch.int32), w_opt.view(torch.int32)), (method, kw)
+            w_ref, i_ref = reference_route(x, 8, method, bias=b, **kw)
+            assert torch.equal(i, i_ref) and int(ulp_dist(w, w_ref).max()) <= RENORM_WEIGHT_ULPS + SCALING_ULPS
+    # renormalize=False on sigmoid_bias: w = s * scaling, no sum
+    w, i = op(x, 8, "sigmoid_bias", bias, 2.5, False)
+    s = torch.sigmoid(x.double()).float().gather(1, i.long())
+    assert torch.allclose(w, s * 2.5, rtol=1e-6, atol=0)
+    # grouped_softmax with n_group = 1 is softmax_topk (scaling and renormalize alike)
+    for kw in ({}, dict(scaling=0.5, renormalize=True)):
+        a = optimized.route(x, 8, "grouped_softmax", n_group=1, topk_group=1, **kw)
+        b = optimized.route(x, 8, "softmax_topk", **kw)
+        assert torch.equal(a[1], b[1]) and torch.equal(a[0], b[0])
+
+
+def test_grouped_softmax_scores_groups_by_their_largest_p():
+    """Group 0 holds the largest p, group 1 the largest top-2 sum: DeepSeek-V2 keeps group 0
+    (a top-2 scorer would keep group 1), at every ISA level."""
+    x = torch.tensor([[4.0, 0.0, 0.0, 0.0, 3.5, 3.5, 0.0, 0.0]])
+    for level in ISA_LEVELS:
+        optimized.set_isa(level)
+        try:
+            w, ids = optimized.route(x, 2, "grouped_softmax", n_group=2, topk_group=1)
+        finally:
+            optimized.set_isa("avx512_bf16")
+        assert ids.tolist() == [[0, 1]]
+        assert torch.equal(w, reference_route(x, 2, "grouped_softmax", n_group=2, topk_group=1)[0])
 
 
 # ------------------------------------------------------------------ engineered rows
@@ -222,7 +329,7 @@ def special_rows(E, g):
 # grouped routing needs E % n_group == 0, E / n_group >= 2 and E <= 1024: E = 1 and 2048 are
 # outside its contract (their errors are tested with the error inputs).
 TIE_CASES = [(m, E) for m in METHODS for E in (1, 2, 7, 16, 64, 256, 896, 2048)
-             if m != "grouped_sigmoid_bias" or group_kwargs(E) is not None]
+             if m not in GROUPED or group_kwargs(E) is not None]
 
 
 @pytest.mark.parametrize("method,E", TIE_CASES)
@@ -234,7 +341,7 @@ def test_exact_ties_and_special_values(isa, method, E):
         for K in sorted({1, 2, 8, 16, 32}):
             if K > E:
                 continue
-            kw = make_kwargs(method, E, g, **(gk or {}) if method == "grouped_sigmoid_bias" else {})
+            kw = make_kwargs(method, E, g, **(gk or {}) if method in GROUPED else {})
             if method in BIASED:   # a bias on the same coarse grid: exact ties survive s + bias
                 kw["bias"] = torch.round(torch.randn(E, generator=g) * 2) / 8
             Kf = fit_k(method, E, K, kw)
@@ -247,8 +354,8 @@ def test_equal_logits_anywhere_tie_by_index(isa, method):
     """The same value at every position of a long row (any chunk, any tail lane): ids 0..K-1."""
     for E in (17, 100, 2048):
         kw = make_kwargs(method, E, torch.Generator().manual_seed(1),
-                         **group_kwargs(min(E, 1024)) if method == "grouped_sigmoid_bias" else {})
-        if method == "grouped_sigmoid_bias" and E > 1024:
+                         **group_kwargs(min(E, 1024)) if method in GROUPED else {})
+        if method in GROUPED and E > 1024:
             continue
         if method in BIASED:
             kw["bias"] = torch.zeros(E)
@@ -270,13 +377,13 @@ def test_large_top_value_late_in_row():
 # ------------------------------------------------------------------ determinism
 def random_case(method, T, E, K, seed):
     g = torch.Generator().manual_seed(seed)
-    kw = make_kwargs(method, E, g, **group_kwargs(E) if method == "grouped_sigmoid_bias" else {})
+    kw = make_kwargs(method, E, g, **group_kwargs(E) if method in GROUPED else {})
     return torch.randn(T, E, generator=g).bfloat16(), fit_k(method, E, K, kw), kw
 
 
 @pytest.mark.parametrize("method", METHODS)
 def test_isa_levels_bit_identical(method):
-    x, K, kw = random_case(method, 97, 896 if method != "grouped_sigmoid_bias" else 256, 16, 3)
+    x, K, kw = random_case(method, 97, 896 if method not in GROUPED else 256, 16, 3)
     x = torch.cat([x, special_rows(x.shape[1], torch.Generator().manual_seed(2)).bfloat16()])
     outs = []
     try:
@@ -333,7 +440,7 @@ def test_strided_logits_and_bias_read_in_place():
 def test_empty_batch(method):
     E = 16
     kw = make_kwargs(method, E, torch.Generator().manual_seed(0),
-                     **group_kwargs(E) if method == "grouped_sigmoid_bias" else {})
+                     **group_kwargs(E) if method in GROUPED else {})
     K = fit_k(method, E, 4, kw)
     for dt in DTYPES:
         w, i = optimized.route(torch.empty(0, E, dtype=dt), K, method, **kw)
@@ -341,7 +448,25 @@ def test_empty_batch(method):
 
 
 # ----------------------------------------------------------------------- errors
-@pytest.mark.parametrize("desc,args,kwargs,arg", ERROR_CASES, ids=[c[0] for c in ERROR_CASES])
+# The reference's float64 exact mode is the reference's alone: optimized refuses float64 logits
+# (naming 'logits' where the reference's error names the bias that does not match them).
+OPT_ERROR_CASES = [c for c in ERROR_CASES if not (isinstance(c[1][0], torch.Tensor) and c[1][0].dtype == torch.float64)]
+OPT_ERROR_CASES += [
+    ("logits float64 (exact mode is the reference's)", (torch.zeros(2, 8, dtype=torch.float64), 2, "softmax_topk"),
+     {}, "logits"),
+    ("logits float64 with a float64 bias", (torch.zeros(2, 8, dtype=torch.float64), 2, "sigmoid_bias"),
+     dict(bias=torch.zeros(8, dtype=torch.float64)), "logits"),
+]
+
+
+def test_float64_logits_are_the_references_only():
+    x = torch.randn(3, 8, dtype=torch.float64)
+    assert reference_route(x, 2, "softmax_topk")[0].dtype == torch.float64
+    with pytest.raises(ValueError, match="route: argument 'logits'"):
+        optimized.route(x, 2, "softmax_topk")
+
+
+@pytest.mark.parametrize("desc,args,kwargs,arg", OPT_ERROR_CASES, ids=[c[0] for c in OPT_ERROR_CASES])
 def test_reference_error_inputs_raise_the_same(desc, args, kwargs, arg):
     with pytest.raises(ValueError) as ei:
         optimized.route(*args, **kwargs)
@@ -376,8 +501,23 @@ HOSTILE = [
     ("bias int64", (Z(2, 8), 2, "sigmoid_bias", Z(8, dtype=torch.int64)), "bias"),
     ("scaling inf", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("inf")), "scaling"),
     ("scaling NaN", (Z(2, 8), 2, "sigmoid_bias", Z(8), float("nan")), "scaling"),
-    ("scaling with softmax", (Z(2, 8), 2, "softmax_topk", None, 2.0), "scaling"),
-    ("renormalize with sigmoid_bias", (Z(2, 8), 2, "sigmoid_bias", Z(8), 1.0, True), "renormalize"),
+    ("scaling inf with softmax", (Z(2, 8), 2, "softmax_topk", None, float("inf")), "scaling"),
+    ("renormalize with llama4", (Z(2, 8), 1, "llama4", None, 1.0, True), "renormalize"),
+    ("norm_eps negative", (Z(2, 8), 2, "sigmoid_bias", Z(8), 1.0, None, 1, 1, -1e-6), "norm_eps"),
+    ("norm_eps NaN", (Z(2, 8), 2, "softmax_bias", Z(8), 1.0, None, 1, 1, float("nan")), "norm_eps"),
+    ("norm_eps inf", (Z(2, 8), 2, "sigmoid_topk", None, 1.0, True, 1, 1, float("inf")), "norm_eps"),
+    ("norm_eps with softmax_topk", (Z(2, 8), 2, "softmax_topk", None, 1.0, True, 1, 1, 1e-6), "norm_eps"),
+    ("norm_eps with topk_softmax", (Z(2, 8), 2, "topk_softmax", None, 1.0, None, 1, 1, 1e-6), "norm_eps"),
+    ("norm_eps with llama4", (Z(2, 8), 1, "llama4", None, 1.0, None, 1, 1, 0.0), "norm_eps"),
+    ("norm_eps with grouped_softmax", (Z(2, 8), 2, "grouped_softmax", None, 1.0, None, 2, 1, 1e-6), "norm_eps"),
+    ("softmax_bias without bias", (Z(2, 8), 2, "softmax_bias"), "bias"),
+    ("softmax_bias bias too short", (Z(2, 8), 2, "softmax_bias", Z(7)), "bias"),
+    ("grouped_softmax with bias", (Z(2, 8), 2, "grouped_softmax", Z(8), 1.0, None, 2, 1), "bias"),
+    ("grouped_softmax E % n_group", (Z(2, 8), 2, "grouped_softmax", None, 1.0, None, 3, 1), "n_group"),
+    ("grouped_softmax topk_group > n_group", (Z(2, 8), 2, "grouped_softmax", None, 1.0, None, 2, 3), "topk_group"),
+    ("grouped_softmax K too large", (Z(2, 8), 3, "grouped_softmax", None, 1.0, None, 4, 1), "top_k"),
+    ("grouped_softmax E > 1024", (Z(1, 1026), 2, "grouped_softmax", None, 1.0, None, 2, 1), "logits"),
+    ("n_group with softmax_bias", (Z(2, 8), 2, "softmax_bias", Z(8), 1.0, None, 2, 1), "n_group"),
     ("n_group with sigmoid_bias", (Z(2, 8), 2, "sigmoid_bias", Z(8), 1.0, False, 2, 1), "n_group"),
     ("topk_group with softmax", (Z(2, 8), 2, "softmax_topk", None, 1.0, False, 1, 2), "topk_group"),
     ("grouped E % n_group", (Z(2, 8), 2, "grouped_sigmoid_bias", Z(8), 1.0, False, 3, 1), "n_group"),
@@ -409,6 +549,10 @@ def test_opcheck():
          1.0, False, 8, 4),
         (torch.randn(0, 16, generator=g), 1, "llama4"),
         (torch.randn(2, 16, generator=g), 4, "sigmoid_topk", None, 1.0, True),
+        (torch.randn(3, 64, generator=g), 4, "grouped_softmax", None, 2.0, True, 8, 3),
+        (torch.randn(3, 64, generator=g).bfloat16(), 6, "softmax_bias", torch.randn(64, generator=g) * 0.01, 1.5,
+         None, 1, 1, 1e-6),
+        (torch.randn(3, 32, generator=g), 4, "sigmoid_bias", torch.randn(32, generator=g), 2.5, False, 1, 1, 0.1),
     ]
     for args in samples:
         torch.library.opcheck(op, args)

@@ -1,4 +1,4 @@
-"""Semantics of reference.route (SPEC.md section 1).
+"""Semantics of reference.route (SPEC.md sections 1 and 6).
 
 Expected values are computed here independently of the module under test: by hand, with
 plain Python math on floats, or (for the selection order) with Python's `sorted` over an
@@ -18,8 +18,10 @@ from hypothesis import strategies as st
 from reference.route import route, selection_keys
 
 NAN, INF = float("nan"), float("inf")
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4")
-BIASED = ("sigmoid_bias", "grouped_sigmoid_bias")
+METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4",
+           "grouped_softmax", "softmax_bias")
+BIASED = ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+GROUPED = ("grouped_sigmoid_bias", "grouped_softmax")
 
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -47,15 +49,16 @@ def ranks_before(a: float, ia: int, b: float, ib: int) -> bool:
     return order_key(a, ia) < order_key(b, ib)
 
 
-def py_grouped(keys_row, n_group, topk_group):
-    """Keys after DeepSeek-V3 group masking, and the kept group indices, in plain Python.
-    Group score = f32 sum of the two largest keys of the group (total order)."""
+def py_grouped(keys_row, n_group, topk_group, top2=True):
+    """Keys after group masking, and the kept group indices, in plain Python. Group score
+    (total order) = f32 sum of the two largest keys of the group (DeepSeek-V3), or with
+    top2=False the largest key (DeepSeek-V2 group_limited_greedy)."""
     gs = len(keys_row) // n_group
     scores = []
     for g in range(n_group):
         vals = keys_row[g * gs:(g + 1) * gs]
         a, b = (vals[i] for i in py_topk(vals, 2))
-        scores.append(float(np.float32(a) + np.float32(b)))
+        scores.append(float(np.float32(a) + np.float32(b)) if top2 else a)
     kept = set(py_topk(scores, topk_group))
     return [v if i // gs in kept else -INF for i, v in enumerate(keys_row)], kept
 
@@ -68,8 +71,10 @@ def sigmoid32(x: torch.Tensor) -> torch.Tensor:
 def independent_keys(x: torch.Tensor, method: str, bias) -> torch.Tensor:
     """Keys before group masking: exact function rounded to f32 (not the module's code)."""
     x = x.float()
-    if method == "softmax_topk":
+    if method in ("softmax_topk", "grouped_softmax"):
         return torch.softmax(x.double(), dim=-1).float()
+    if method == "softmax_bias":
+        return torch.softmax(x.double(), dim=-1).float() + bias.float()
     if method in ("topk_softmax", "llama4"):
         return x
     s = sigmoid32(x)
@@ -80,8 +85,8 @@ def expected_ids(x, method, K, bias=None, n_group=1, topk_group=1):
     keys = independent_keys(x, method, bias).tolist()
     out = []
     for row in keys:
-        if method == "grouped_sigmoid_bias":
-            row, _ = py_grouped(row, n_group, topk_group)
+        if method in GROUPED:
+            row, _ = py_grouped(row, n_group, topk_group, top2=method == "grouped_sigmoid_bias")
         out.append(py_topk(row, K))
     return out
 
@@ -190,6 +195,145 @@ def test_bias_never_enters_weight():
     assert torch.equal(w1, w2)
 
 
+# ------------------------------------------------------- SPEC 6: the December amendment
+def f32(v: float) -> float:
+    return float(np.float32(v))
+
+
+def test_renormalize_none_is_the_methods_default():
+    x = t32([X[0], [0.2, -1.0, 0.7, 0.1]])
+    bias = t32([0.0, 0.3, -0.2, 0.1])
+    for method, kw, default in (("softmax_topk", {}, False), ("sigmoid_topk", {}, False),
+                                ("sigmoid_bias", dict(bias=bias), True), ("softmax_bias", dict(bias=bias / 8), True),
+                                ("grouped_sigmoid_bias", dict(bias=bias, n_group=2, topk_group=1), True),
+                                ("grouped_softmax", dict(n_group=2, topk_group=1), False)):
+        a = route(x, 2, method, **kw)
+        b = route(x, 2, method, renormalize=default, **kw)
+        c = route(x, 2, method, renormalize=not default, **kw)
+        assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1]), method
+        assert torch.equal(a[1], c[1]) and not torch.equal(a[0], c[0]), method
+
+
+def test_biased_without_renormalize_is_s_times_scaling():
+    # X with bias [0, -1, 0, 2] picks [3, 2] (test_sigmoid_bias_hand); renormalize=False:
+    # w = f32(s) * f32(2.5), no sum (DeepSeek-V3 configs with norm_topk_prob = False)
+    bias = t32([0.0, -1.0, 0.0, 2.0])
+    w, ids = route(t32(X), 2, "sigmoid_bias", bias=bias, scaling=2.5, renormalize=False)
+    assert ids.tolist() == [[3, 2]]
+    assert w.tolist() == [[f32(f32(sig(0.5)) * 2.5), f32(f32(sig(2.0)) * 2.5)]]
+    w, ids = route(t32([[4.0, -3.0, 3.0, 2.5, 0.0, 0.0, 3.5, -5.0]]), 3, "grouped_sigmoid_bias",
+                   bias=torch.zeros(8), n_group=4, topk_group=2, scaling=0.5, renormalize=False)
+    assert ids.tolist() == [[0, 2, 3]]
+    assert_close_list(w, [[sig(4.0) * 0.5, sig(3.0) * 0.5, sig(2.5) * 0.5]])
+
+
+def test_scaling_applies_to_every_method():
+    # final weights times f32(scaling), after any normalization; 0.1 is not exact in f32
+    c = f32(0.1)
+    z = sum(math.exp(v) for v in X[0])
+    zz = math.exp(3.0) + math.exp(2.0)
+    cases = [
+        ("softmax_topk", 2, {}, [math.exp(3.0) / z, math.exp(2.0) / z]),
+        ("softmax_topk", 2, dict(renormalize=True), [math.exp(3.0) / zz, math.exp(2.0) / zz]),
+        ("topk_softmax", 2, {}, [math.exp(3.0) / zz, math.exp(2.0) / zz]),
+        ("sigmoid_topk", 2, {}, [sig(3.0), sig(2.0)]),
+        ("sigmoid_topk", 2, dict(renormalize=True), [sig(3.0) / (sig(3.0) + sig(2.0)), sig(2.0) / (sig(3.0) + sig(2.0))]),
+        ("llama4", 1, {}, [sig(3.0)]),
+    ]
+    for method, K, kw, want in cases:
+        w, ids = route(t32(X), K, method, scaling=0.1, **kw)
+        assert ids.tolist() == [[1, 2][:K]]
+        assert_close_list(w, [[v * c for v in want]], rel=4e-7)
+        w1, _ = route(t32(X), K, method, **kw)                    # the f32 product of the unscaled
+        assert torch.equal(w, w1 * torch.tensor(c, dtype=torch.float32)), method
+
+
+def test_norm_eps_forms():
+    # tiny sigmoids: s(-12) = 6.1e-6, s(-13) = 2.3e-6, so the epsilon is visible
+    x = t32([[-12.0, -13.0, -20.0]])
+    s0, s1 = sig(-12.0), sig(-13.0)
+    # biased sigmoid: s * c / (sum + eps), LFM2-MoE's 1e-6
+    w, ids = route(x, 2, "sigmoid_bias", bias=torch.zeros(3), norm_eps=1e-6, scaling=2.0)
+    assert ids.tolist() == [[0, 1]]
+    assert_close_list(w, [[2 * s0 / (s0 + s1 + 1e-6), 2 * s1 / (s0 + s1 + 1e-6)]], rel=1e-6)
+    # default 1e-20: the plain ratio
+    w, _ = route(x, 2, "sigmoid_bias", bias=torch.zeros(3))
+    assert_close_list(w, [[s0 / (s0 + s1), s1 / (s0 + s1)]], rel=1e-6)
+    # sigmoid_topk: s / max(sum, eps); 1e-4 > sum = 8.4e-6 binds, 1e-6 does not
+    w, _ = route(x, 2, "sigmoid_topk", renormalize=True, norm_eps=1e-4)
+    assert_close_list(w, [[s0 / 1e-4, s1 / 1e-4]], rel=1e-6)
+    w, _ = route(x, 2, "sigmoid_topk", renormalize=True, norm_eps=1e-6)
+    assert_close_list(w, [[s0 / (s0 + s1), s1 / (s0 + s1)]], rel=1e-6)
+    # norm_eps = 0 is allowed: the plain sum (0 / 0 = NaN for an all-zero selection)
+    w, _ = route(t32([[-INF, -INF]]), 2, "sigmoid_bias", bias=torch.zeros(2), norm_eps=0.0)
+    assert bool(torch.isnan(w).all())
+
+
+def test_grouped_softmax_hand():
+    # groups {0..3} {4..7}: group 0 holds the largest p (e^4), group 1 the largest sum of two
+    # (2 e^3.5 > e^4 + 1): DeepSeek-V2's group_limited_greedy scores by the max -> group 0.
+    x = [4.0, 0.0, 0.0, 0.0, 3.5, 3.5, 0.0, 0.0]
+    z = math.exp(4.0) + 2 * math.exp(3.5) + 5
+    w, ids = route(t32([x]), 2, "grouped_softmax", n_group=2, topk_group=1)
+    assert ids.tolist() == [[0, 1]]                          # 1, 2, 3 tie at p = 1/z: lower index
+    assert_close_list(w, [[math.exp(4.0) / z, 1 / z]])
+    # ungrouped (or scored by a top-2 sum) the picks would be 0, 4 (softmax_topk)
+    assert route(t32([x]), 2, "softmax_topk")[1].tolist() == [[0, 4]]
+    # DeepSeek-V2 itself: no renormalization, routed_scaling_factor 16
+    w, _ = route(t32([x]), 2, "grouped_softmax", n_group=2, topk_group=1, scaling=16.0)
+    assert_close_list(w, [[16 * math.exp(4.0) / z, 16 / z]])
+    w, _ = route(t32([x]), 2, "grouped_softmax", n_group=2, topk_group=1, renormalize=True, scaling=2.0)
+    assert_close_list(w, [[2 * math.exp(4.0) / (math.exp(4.0) + 1), 2 / (math.exp(4.0) + 1)]])
+    # four groups, keep two: group maxima e^4 (g0), e^3.5 (g2), 1 (g1, g3) -> experts 0..1, 4..5
+    w, ids = route(t32([x]), 3, "grouped_softmax", n_group=4, topk_group=2)
+    assert ids.tolist() == [[0, 4, 5]]
+    # group ties: equal maxima, the lower group is kept
+    _, ids = route(torch.zeros(1, 8), 2, "grouped_softmax", n_group=4, topk_group=1)
+    assert ids.tolist() == [[0, 1]]
+    _, ids = route(t32([[0, 0, 1, 0, 0, 1, 0, 0]]), 2, "grouped_softmax", n_group=4, topk_group=1)
+    assert ids.tolist() == [[2, 3]]
+
+
+def test_softmax_bias_hand():
+    # Ernie 4.5: key p + bias, weight p (the bias left out), / max(sum, 1e-12), times scaling
+    p = [math.exp(v) / sum(math.exp(u) for u in X[0]) for v in X[0]]   # .085, .631, .232, .052
+    bias = t32([0.5, 0.0, 0.0, 0.3])                         # keys .585, .631, .232, .352
+    w, ids = route(t32(X), 2, "softmax_bias", bias=bias)
+    assert ids.tolist() == [[1, 0]]
+    assert_close_list(w, [[p[1] / (p[1] + p[0]), p[0] / (p[1] + p[0])]])
+    w, _ = route(t32(X), 2, "softmax_bias", bias=bias, renormalize=False, scaling=2.0)
+    assert_close_list(w, [[2 * p[1], 2 * p[0]]])
+    # norm_eps 0.9 > p1 + p0 = .716: the floor binds
+    w, _ = route(t32(X), 2, "softmax_bias", bias=bias, norm_eps=0.9)
+    assert_close_list(w, [[p[1] / 0.9, p[0] / 0.9]])
+    # the bias never enters a weight: another bias with the same picks (keys .605, .631,
+    # .232, .452) gives the same weights
+    w2, i2 = route(t32(X), 2, "softmax_bias", bias=t32([0.52, 0.0, 0.0, 0.4]))
+    assert i2.tolist() == [[1, 0]]
+    assert torch.equal(w2, route(t32(X), 2, "softmax_bias", bias=bias)[0])
+
+
+def test_exact_mode_float64_new_methods():
+    """float64 logits: every step in float64, nothing rounded to f32 (the family truth)."""
+    d = torch.float64
+    x = torch.tensor([[4.0, 0.0, 0.0, 0.0, 3.5, 3.5, 0.0, 0.0]], dtype=d)
+    z = math.exp(4.0) + 2 * math.exp(3.5) + 5
+    w, ids = route(x, 2, "grouped_softmax", n_group=2, topk_group=1, scaling=16.0)
+    assert w.dtype == d and ids.tolist() == [[0, 1]]
+    assert_close_list(w, [[16 * math.exp(4.0) / z, 16 / z]], rel=1e-15)
+    p = [math.exp(v) / sum(math.exp(u) for u in X[0]) for v in X[0]]
+    w, ids = route(torch.tensor(X, dtype=d), 2, "softmax_bias", bias=torch.tensor([0.5, 0, 0, 0.3], dtype=d),
+                   scaling=1.5, norm_eps=0.9)
+    assert ids.tolist() == [[1, 0]]
+    assert_close_list(w, [[1.5 * p[1] / 0.9, 1.5 * p[0] / 0.9]], rel=1e-15)
+    x = torch.tensor([[-12.0, -13.0, -20.0]], dtype=d)
+    s0, s1 = sig(-12.0), sig(-13.0)
+    w, _ = route(x, 2, "sigmoid_bias", bias=torch.zeros(3, dtype=d), norm_eps=1e-6, scaling=2.5)
+    assert_close_list(w, [[2.5 * s0 / (s0 + s1 + 1e-6), 2.5 * s1 / (s0 + s1 + 1e-6)]], rel=1e-15)
+    w, _ = route(x, 2, "sigmoid_bias", bias=torch.zeros(3, dtype=d), renormalize=False, scaling=2.5)
+    assert_close_list(w, [[2.5 * s0, 2.5 * s1]], rel=1e-15)
+
+
 # -------------------------------------------------------------------------- tie rules
 @pytest.mark.parametrize("method", ["softmax_topk", "topk_softmax", "sigmoid_topk"])
 def test_exact_ties_lower_index_first(method):
@@ -268,7 +412,7 @@ def route_cases(draw, methods=METHODS, specials=True):
     method = draw(st.sampled_from(methods))
     T = draw(st.integers(1, 6))
     n_group = topk_group = 1
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED:
         n_group = draw(st.sampled_from([1, 2, 3, 4, 8]))
         gs = draw(st.integers(2, 8))
         E = n_group * gs
@@ -290,9 +434,9 @@ def route_cases(draw, methods=METHODS, specials=True):
         x = torch.where(pick < frac, vals, x)
     bias = None
     if method in BIASED:
-        bias = torch.randn(E, generator=g) * 0.5
+        bias = torch.randn(E, generator=g) * (0.5 if method != "softmax_bias" else 0.05)
         if coarse:
-            bias = torch.round(bias * 4) / 4
+            bias = torch.round(bias * 4) / 4 if method != "softmax_bias" else torch.round(bias * 32) / 32
     return x, method, K, bias, n_group, topk_group
 
 
@@ -393,7 +537,7 @@ def test_half_logits_equal_their_f32_upcast(dtype, method):
     kw = {}
     if method in BIASED:
         kw["bias"] = torch.randn(32, generator=g).to(torch.bfloat16)
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED:
         kw.update(n_group=4, topk_group=2)
     w_h, i_h = route(x, K, method, **kw)
     kw32 = dict(kw, bias=kw["bias"].float()) if "bias" in kw else kw
@@ -418,7 +562,7 @@ def test_empty_batch(method):
     kw = {}
     if method in BIASED:
         kw["bias"] = torch.zeros(8)
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED:
         kw.update(n_group=4, topk_group=2)
     w, ids = route(torch.empty(0, 8, dtype=torch.bfloat16), K, method, **kw)
     assert w.shape == (0, K) and ids.shape == (0, K)

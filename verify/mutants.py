@@ -66,6 +66,47 @@ def route_no_renormalize(fn):
     return f
 
 
+def route_norm_eps_ignored(fn):
+    """norm_eps ignored: every normalization with its method's default epsilon."""
+    @_wraps(fn)
+    def f(logits, top_k, method, *, norm_eps=None, **kw):
+        return fn(logits, top_k, method, **kw)
+    return f
+
+
+def route_scaling_only_biased(fn):
+    """scaling applied by the biased sigmoid methods only (the rule before SPEC 6)."""
+    @_wraps(fn)
+    def f(logits, top_k, method, *, scaling=1.0, **kw):
+        keep = method in ("sigmoid_bias", "grouped_sigmoid_bias")
+        return fn(logits, top_k, method, scaling=scaling if keep else 1.0, **kw)
+    return f
+
+
+def route_grouped_softmax_top2(fn):
+    """grouped_softmax scoring each group by the sum of its two largest p (DeepSeek-V3's rule)
+    instead of the largest (DeepSeek-V2's group_limited_greedy): a kernel that reused the
+    grouped_sigmoid_bias group pass. Everything else as SPEC 6 says, built from the
+    reference's helpers."""
+    from reference.route import _group_mask_keys, _softmax, _sum, _topk_total_order
+
+    @_wraps(fn)
+    def f(logits, top_k, method, *, n_group=1, topk_group=1, scaling=1.0, renormalize=None, **kw):
+        if method != "grouped_softmax":
+            return fn(logits, top_k, method, n_group=n_group, topk_group=topk_group, scaling=scaling,
+                      renormalize=renormalize, **kw)
+        fn(logits, top_k, method, n_group=n_group, topk_group=topk_group, scaling=scaling,
+           renormalize=renormalize, **kw)                       # (its validation and errors)
+        keys = _group_mask_keys(_softmax(logits.float()), n_group, topk_group, top_n=2)
+        sel = _topk_total_order(keys, top_k)
+        w = keys.gather(-1, sel)
+        if renormalize:
+            w = w / _sum(w)
+        w = w * torch.tensor(scaling, dtype=torch.float32, device=w.device)
+        return w.contiguous(), sel.to(torch.int32).contiguous()
+    return f
+
+
 # ============================================================================ permute
 def _segments(out):
     offsets = out.offsets.tolist()
@@ -404,6 +445,13 @@ MUTANTS: List[Mutant] = [
            fixed={"method": "topk_softmax"}),
     Mutant("route.no_renormalize", "route", "renormalize=True ignored", route_no_renormalize,
            dists=("uniform", "zipf"), fixed={"method": "softmax_topk", "renormalize": True}),
+    # SPEC 6: only the December draws (norm_eps, scaling on every method, grouped_softmax) kill these
+    Mutant("route.norm_eps_ignored", "route", "norm_eps ignored (the default epsilon used)", route_norm_eps_ignored,
+           dists=("uniform", "zipf"), fixed={"method": "sigmoid_bias", "renormalize": None, "norm_eps": 0.75}),
+    Mutant("route.scaling_only_biased", "route", "scaling ignored outside the biased sigmoid methods",
+           route_scaling_only_biased, dists=("uniform", "zipf"), fixed={"method": "softmax_bias", "scaling": 2.5}),
+    Mutant("route.grouped_softmax_top2", "route", "grouped_softmax groups scored by their top-2 sum",
+           route_grouped_softmax_top2, dists=("uniform", "zipf"), fixed={"method": "grouped_softmax"}),
     Mutant("permute.neighbour_row", "permute", "one permuted row copied from its neighbour", permute_neighbour_row,
            dists=("uniform",)),
     Mutant("permute.unstable", "permute", "rows within a segment not in increasing r", permute_unstable,

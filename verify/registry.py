@@ -48,7 +48,8 @@ from reference.quant import quantize_fp8_block, quantize_mxfp4
 from reference.route import route as ref_route
 from reference.route import selection_keys
 from reference.router_gemm import router_gemm as ref_router_gemm
-from reference.validate import capacity
+from reference.validate import (BIAS_METHODS, GROUPED_METHODS, NORM_EPS_DEFAULT, ROUTE_METHODS, capacity,
+                                check_route)
 
 from . import distributions as D
 from . import tolerance as tol
@@ -56,9 +57,14 @@ from . import tolerance as tol
 ALL_DISTS = D.ROUTING_DISTS
 NO_NAN = tuple(d for d in ALL_DISTS if d != "nan_inf")
 DTYPE_NAMES = tuple(D.DTYPES)
-METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk", "sigmoid_bias", "grouped_sigmoid_bias", "llama4")
-RENORM_METHODS = ("softmax_topk", "topk_softmax", "sigmoid_topk")
-BIAS_METHODS = ("sigmoid_bias", "grouped_sigmoid_bias")
+METHODS = ROUTE_METHODS          # SPEC 1's six and SPEC 6's grouped_softmax, softmax_bias
+# renormalize is drawn unset (the method's default), False or True; llama4 refuses True
+RENORM_DRAWS = (None, False, True)
+# route's scaling applies to every method (SPEC 6); 0.375 and 2.5 are exact in f32, 0.1 is not
+SCALINGS = (1.0, 2.5, 0.5, 0.375, 0.1)
+# norm_eps for the methods that take one: unset (the default), LFM2's 1e-6, 0 (allowed: the
+# plain sum) and 0.75, large enough that the floor max(sum, eps) binds and (sum + eps) moves
+NORM_EPS_DRAWS = (None, 1e-6, 0.0, 0.75)
 QUANTS = ("bf16", "fp8_block", "mxfp4")
 ACTIVATIONS = ("silu", "swiglu_oai")
 DISPATCHES = ("auto", "tiny", "blocked", "global", "per_block")
@@ -298,15 +304,15 @@ def _noncontig(t: torch.Tensor) -> torch.Tensor:
 # ============================================================================ route
 def _draw_groups_and_k(p: Picker, method: str, E: int, dist: str, k_cap: int):
     """(n_group, topk_group, K) valid for the method and E: groups that divide E into groups
-    of >= 2 (grouped_sigmoid_bias only), K <= k_cap, <= the experts the groups leave, <= the
+    of >= 2 (grouped methods only), K <= k_cap, <= the experts the groups leave, <= the
     experts empty_experts leaves, and 1 for llama4."""
     n_group = topk_group = 1
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED_METHODS:
         divisors = [d for d in range(1, 33) if E % d == 0 and E // d >= 2]
         n_group = p("n_group", st.sampled_from(divisors))
         topk_group = p("topk_group", st.integers(1, n_group))
     kmax = min(E, k_cap)
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED_METHODS:
         kmax = min(kmax, topk_group * (E // n_group))
     if dist == "empty_experts":
         kmax = min(kmax, E - E // 2)
@@ -317,12 +323,13 @@ def _draw_route(draw, dist, fixed):
     p = Picker(draw, fixed)
     method = p("method", st.sampled_from(METHODS))
     E = p("E", st.sampled_from((1, 2, 3, 4, 6, 8, 16, 32, 60, 64, 128, 256, 384, 512, 896, 1024, 2048)))
-    if method == "grouped_sigmoid_bias":
+    if method in GROUPED_METHODS:
         E = max(2, min(E, 1024))
     n_group, topk_group, K = _draw_groups_and_k(p, method, E, dist, 32)
     s = {"method": method, "E": E, "K": K, "n_group": n_group, "topk_group": topk_group,
-         "renormalize": bool(p("renormalize", st.booleans())) if method in RENORM_METHODS else False,
-         "scaling": p("scaling", st.sampled_from((1.0, 2.5, 0.5))) if method in BIAS_METHODS else 1.0,
+         "renormalize": p("renormalize", st.sampled_from(RENORM_DRAWS if method != "llama4" else (None, False))),
+         "scaling": p("scaling", st.sampled_from(SCALINGS)),
+         "norm_eps": p("norm_eps", st.sampled_from(NORM_EPS_DRAWS)) if method in NORM_EPS_DEFAULT else None,
          "logits_dtype": p("logits_dtype", st.sampled_from(DTYPE_NAMES)),
          "bias_dtype": p("bias_dtype", st.sampled_from(("float32", "bfloat16"))),
          "T": _tokens(p)}
@@ -343,14 +350,19 @@ def _make_route(s: dict) -> Case:
         logits = wide[:, 2:E + 2]
     kwargs = {"n_group": s["n_group"], "topk_group": s["topk_group"], "scaling": s["scaling"],
               "renormalize": s["renormalize"], "bias": None}
+    if s.get("norm_eps") is not None:            # (older saved cases have no norm_eps)
+        kwargs["norm_eps"] = s["norm_eps"]
     if s["method"] in BIAS_METHODS:
         bdt = D.DTYPES[s["bias_dtype"]]
+        # softmax_bias adds the bias to p ~ 1/E: a bias of that size competes with p
+        size = 0.5 if s["method"] != "softmax_bias" else 0.5 / E
         if s["dist"] == "exact_ties":
-            bias = torch.tensor((0.0, 0.25))[torch.randint(2, (E,), generator=g)]
+            bias = torch.tensor((0.0, 0.25 if s["method"] != "softmax_bias" else 0.25 / 1024))[
+                torch.randint(2, (E,), generator=g)]
         elif s["dist"] == "near_ties":
             bias = torch.zeros(E)
         else:
-            bias = torch.randn(E, generator=g) * 0.5
+            bias = torch.randn(E, generator=g) * size
         kwargs["bias"] = bias.to(bdt)
     return Case("route", s, (logits, K, s["method"]), kwargs)
 
@@ -379,7 +391,8 @@ def key_allowance(x32: torch.Tensor, bias: Optional[torch.Tensor], method: str, 
     gap of at most 4 ulps between two keys, SPEC's "a few ulps"), and more where an f32
     computation is necessarily less exact:
       softmax p = exp(x - max) / sum: the f32 difference x - max carries ~|x - max| / 2 ulps
-        of relative error into exp, so (2 + |x - max|) ulps of p;
+        of relative error into exp, so (2 + |x - max|) ulps of p; p + bias: that plus 1 ulp
+        of the sum;
       sigmoid s: 2 ulps of s; s + bias: 2 ulps of s plus 1 ulp of the sum (with a negative
         bias the sum can be much smaller than s);
       a subnormal exact key may be flushed to zero (FTZ): + 2^-126.
@@ -387,12 +400,15 @@ def key_allowance(x32: torch.Tensor, bias: Optional[torch.Tensor], method: str, 
     if method in ("topk_softmax", "llama4"):
         return torch.zeros(keys.shape, dtype=torch.float64)
     k64 = keys.to(torch.float64)
-    if method == "softmax_topk":
+    if method in ("softmax_topk", "grouped_softmax", "softmax_bias"):
         xf = x32.to(torch.float64)
         m = torch.where(torch.isfinite(xf), xf, torch.full_like(xf, -math.inf)).amax(dim=-1, keepdim=True)
         spread = (xf - m).abs().nan_to_num(0.0, 0.0, 0.0)
-        d = tol.ulp(k64.nan_to_num(0.0), torch.float32) * (2.0 + spread)
-        base = k64
+        p = torch.softmax(xf, dim=-1).to(torch.float32).to(torch.float64)
+        d = tol.ulp(p.nan_to_num(0.0), torch.float32) * (2.0 + spread)
+        if method in BIAS_METHODS:   # p + bias: one more rounding, of the sum
+            d = d + tol.ulp(k64.nan_to_num(0.0, 0.0, 0.0), torch.float32)
+        base = p
     else:
         s = torch.sigmoid(x32.to(torch.float64)).to(torch.float32).to(torch.float64)
         d = 2.0 * tol.ulp(s.nan_to_num(0.0), torch.float32)
@@ -449,8 +465,10 @@ def admissible_topk(keys: torch.Tensor, classes: torch.Tensor, delta: torch.Tens
     return True, ""
 
 
-def _grouped_admissible(keys0, d0, classes, sel, n_group, topk_group):
-    """Grouped routing with near ties among group scores. A group is *surely kept* when it
+def _grouped_admissible(keys0, d0, classes, sel, n_group, topk_group, top2=True):
+    """Grouped routing with near ties among group scores (top2: a group's score is the sum of
+    its two largest keys, DeepSeek-V3; else its largest key, DeepSeek-V2's
+    group_limited_greedy). A group is *surely kept* when it
     dominates at least n_group - topk_group others, *possibly kept* when fewer than
     topk_group groups dominate it. The groups sel uses must be possibly kept and, with the
     surely kept ones, at most topk_group; sel must then be an acceptable top-K of the keys
@@ -460,13 +478,16 @@ def _grouped_admissible(keys0, d0, classes, sel, n_group, topk_group):
     E = keys0.shape[0]
     gsz = E // n_group
     grouped = keys0.reshape(n_group, gsz)
-    top2 = _topk_total_order(grouped, 2) + (torch.arange(n_group) * gsz).unsqueeze(1)     # expert ids
-    gscore = keys0[top2[:, 0]] + keys0[top2[:, 1]]                                         # f32 add
-    gd = d0[top2[:, 0]] + d0[top2[:, 1]] + tol.ulp(gscore.to(torch.float64).nan_to_num(0.0, 0.0, 0.0),
-                                                    torch.float32)
+    best = _topk_total_order(grouped, 2) + (torch.arange(n_group) * gsz).unsqueeze(1)     # expert ids
+    c2 = classes[best]
+    if top2:
+        gscore = keys0[best[:, 0]] + keys0[best[:, 1]]                                     # f32 add
+        gd = d0[best[:, 0]] + d0[best[:, 1]] + tol.ulp(gscore.to(torch.float64).nan_to_num(0.0, 0.0, 0.0),
+                                                        torch.float32)
+        gcls = c2[:, 0] * 1_000_003 + c2[:, 1]
+    else:
+        gscore, gd, gcls = keys0[best[:, 0]], d0[best[:, 0]].clone(), c2[:, 0]
     gd = torch.where(torch.isfinite(gscore), gd, torch.zeros_like(gd))
-    c2 = classes[top2]
-    gcls = c2[:, 0] * 1_000_003 + c2[:, 1]
     gi = torch.arange(n_group)
     dom = _dominates(gscore.unsqueeze(1), gscore.unsqueeze(0), gcls.unsqueeze(1), gcls.unsqueeze(0),
                      gi.unsqueeze(1), gi.unsqueeze(0), gd.unsqueeze(1), gd.unsqueeze(0))   # [a, b]: a above b
@@ -494,15 +515,17 @@ def route_flip_check(logits32, bias, method, n_group, topk_group, ids_ref, ids_o
     flips, gaps = [], []
     if not diff:
         return flips, gaps, None
-    if method == "grouped_sigmoid_bias":
-        keys0 = selection_keys(logits32, "sigmoid_bias", bias)                # unmasked s + bias
+    if method in GROUPED_METHODS:
+        # the unmasked keys: s + bias (grouped_sigmoid_bias) or p (grouped_softmax)
+        keys0 = selection_keys(logits32, "sigmoid_bias" if method == "grouped_sigmoid_bias" else "softmax_topk", bias)
         delta = key_allowance(logits32, bias, method, keys0)
     else:
         delta = key_allowance(logits32, bias, method, keys)
     for t in diff:
         sel = ids_opt[t].to(torch.int64)
-        if method == "grouped_sigmoid_bias":
-            ok, why = _grouped_admissible(keys0[t], delta[t], classes[t], sel, n_group, topk_group)
+        if method in GROUPED_METHODS:
+            ok, why = _grouped_admissible(keys0[t], delta[t], classes[t], sel, n_group, topk_group,
+                                          top2=method == "grouped_sigmoid_bias")
         else:
             ok, why = admissible_topk(keys[t], classes[t], delta[t], sel)
         if not ok:
@@ -510,7 +533,7 @@ def route_flip_check(logits32, bias, method, n_group, topk_group, ids_ref, ids_o
                                  f"not a near tie: {why}")
         r = ids_ref[t].to(torch.int64)
         d = ids_ref[t] != ids_opt[t]
-        kk = keys0 if method == "grouped_sigmoid_bias" else keys
+        kk = keys0 if method in GROUPED_METHODS else keys
         gap = tol.ulp_distance_f32(kk[t][r[d]], kk[t][sel[d].clamp(0, kk.shape[1] - 1)])
         gaps.append(float(gap.max()) if gap.numel() else 0.0)
         flips.append(t)
@@ -524,7 +547,10 @@ def _compare_route(out, ref, case: Case, ctx: Ctx) -> CaseResult:
     (w_o, ids_o), (w_r, ids_r) = out, ref
     logits, K, method = case.args
     kw = case.kwargs
-    bias, scaling, renorm = kw.get("bias"), kw.get("scaling", 1.0), kw.get("renormalize", False)
+    bias, scaling = kw.get("bias"), kw.get("scaling", 1.0)
+    # renormalize and norm_eps as the call resolves them (None: the method's defaults)
+    renorm, eps = check_route(logits, K, method, bias, kw.get("n_group", 1), kw.get("topk_group", 1), scaling,
+                              kw.get("renormalize"), kw.get("norm_eps"))
     x32 = logits.to(torch.float32)
     flips, gaps, why = route_flip_check(x32, bias, method, kw.get("n_group", 1), kw.get("topk_group", 1), ids_r, ids_o)
     if why:
@@ -534,11 +560,11 @@ def _compare_route(out, ref, case: Case, ctx: Ctx) -> CaseResult:
     if flips:
         ft = torch.tensor(flips)
         w_exp[ft] = tol.route_weights_for_ids(x32[ft], ids_o[ft], method, bias=bias, scaling=scaling,
-                                              renormalize=renorm, exact=True)
+                                              renormalize=renorm, norm_eps=eps, exact=True)
         ids_for[ft] = ids_o[ft]
     w_eager = tol.route_weights_for_ids(x32, ids_for, method, bias=bias, scaling=scaling, renormalize=renorm,
-                                        exact=False)
-    scale, key = tol.route_weight_scale(x32, ids_for, method, scaling=scaling, renormalize=renorm)
+                                        norm_eps=eps, exact=False)
+    scale, key = tol.route_weight_scale(x32, ids_for, method, scaling=scaling, renormalize=renorm, norm_eps=eps)
     res = tol.route_weight_check(w_o, w_exp, w_eager, key=key, scale=scale)
     r = _arith_result(res, "weights")
     r.flips, r.flip_gaps = len(flips), gaps
@@ -553,9 +579,10 @@ def _route_gather(case: Case, rows) -> Case:
 def _route_errors(seed: int) -> CallSpec:
     g = D.generator(seed)
     logits = torch.randn(5, 8, generator=g)
-    f = (torch.int64, torch.int32)   # (float64 logits are the reference's exact mode, not a bad input there)
+    # (float64 logits are the reference's exact mode, refused by optimized: an explicit case)
+    f = (torch.int32, torch.int64)
     params = {"logits": logits, "top_k": 2, "method": "softmax_topk", "bias": None, "n_group": 1,
-              "topk_group": 1, "scaling": 1.0, "renormalize": False}
+              "topk_group": 1, "scaling": 1.0, "renormalize": False, "norm_eps": None}
     bias8 = torch.randn(8, generator=g)
     explicit = [
         ("top_k = 0", {"top_k": 0}, ("top_k",)),
@@ -576,6 +603,20 @@ def _route_errors(seed: int) -> CallSpec:
         ("n_group with softmax_topk", {"n_group": 2}, ("n_group",)),
         ("scaling NaN", {"method": "sigmoid_bias", "bias": bias8, "scaling": float("nan")}, ("scaling",)),
         ("renormalize with llama4", {"method": "llama4", "top_k": 1, "renormalize": True}, ("renormalize",)),
+        ("renormalize an int", {"renormalize": 1}, ("renormalize",)),
+        ("norm_eps with softmax_topk", {"norm_eps": 1e-6}, ("norm_eps",)),
+        ("norm_eps with grouped_softmax", {"method": "grouped_softmax", "n_group": 2, "norm_eps": 1e-6},
+         ("norm_eps",)),
+        ("norm_eps negative", {"method": "sigmoid_bias", "bias": bias8, "norm_eps": -1e-6}, ("norm_eps",)),
+        ("norm_eps NaN", {"method": "softmax_bias", "bias": bias8, "norm_eps": float("nan")}, ("norm_eps",)),
+        ("softmax_bias without bias", {"method": "softmax_bias"}, ("bias",)),
+        ("grouped_softmax with bias", {"method": "grouped_softmax", "bias": bias8, "n_group": 2}, ("bias",)),
+        ("grouped_softmax K > topk_group * E / n_group", {"method": "grouped_softmax", "n_group": 4,
+                                                          "topk_group": 1, "top_k": 3}, ("top_k",)),
+        ("scaling inf with softmax_topk", {"scaling": float("inf")}, ("scaling",)),
+        # the reference (exact mode) and optimized both name the float64 logits
+        ("logits float64 with an f32 bias", {"logits": logits.double(), "method": "sigmoid_bias", "bias": bias8},
+         ("logits",)),
         ("E > 2048", {"logits": torch.randn(1, 2049, generator=g)}, ("logits",)),
         ("logits 1-D", {"logits": torch.randn(8, generator=g)}, ("logits",)),
         ("logits int", {"logits": torch.zeros(5, 8, dtype=torch.int32)}, ("logits",)),
@@ -1175,16 +1216,16 @@ def _draw_moe(draw, dist, fixed):
     E = max(2, s["E"])
     n_group, topk_group, K = _draw_groups_and_k(p, method, E, dist, 8)
     s.update({"E": E, "method": method, "n_group": n_group, "topk_group": topk_group, "K": K,
-              "renormalize": bool(p("renormalize", st.booleans())) if method in RENORM_METHODS else False,
-              "scaling": 1.0 if method not in BIAS_METHODS else p("scaling", st.sampled_from((1.0, 2.5))),
+              "renormalize": p("renormalize", st.sampled_from(RENORM_DRAWS if method != "llama4" else (None, False))),
+              "scaling": p("scaling", st.sampled_from((1.0, 2.5))),
               "bias": "none", "T": _tokens(p)})
     if s["E"] * 3 * s["H"] * s["I"] > 3e6:
         s["big"], s["H"] = False, min(s["H"], 512)
         s["E"] = max(2, min(s["E"], int(3e6 // (3 * s["H"] * s["I"]))))
-        if method == "grouped_sigmoid_bias" and s["E"] % n_group:
+        if method in GROUPED_METHODS and s["E"] % n_group:
             s["n_group"] = s["topk_group"] = 1
         s["K"] = max(1, min(s["K"], s["E"] - (s["E"] // 2 if dist == "empty_experts" else 0),
-                            s["topk_group"] * (s["E"] // s["n_group"]) if method == "grouped_sigmoid_bias" else 99))
+                            s["topk_group"] * (s["E"] // s["n_group"]) if method in GROUPED_METHODS else 99))
     s["T"] = _cap_tokens(s["T"], s["K"] * 3 * s["H"] * s["I"] + s["E"] * s["H"], 1.5e8)
     s.update(_common(p, dist))
     return s
@@ -1242,7 +1283,7 @@ def _make_moe(s):
         xb = wide[0::2, 1:H + 1]
     w13, w2, kw = make_expert_weights(s, g, E)
     if s["method"] in BIAS_METHODS:
-        kw["bias"] = torch.randn(E, generator=g) * 0.3
+        kw["bias"] = torch.randn(E, generator=g) * (0.3 if s["method"] != "softmax_bias" else 0.3 / E)
     kw.update(top_k=K, method=s["method"], n_group=s["n_group"], topk_group=s["topk_group"],
               scaling=s["scaling"], renormalize=s["renormalize"], quant=s["quant"],
               activation=s["activation"], dispatch=s["dispatch"])
@@ -1261,7 +1302,7 @@ def _moe_opt(ops):
     return None
 
 
-_ROUTE_KW = ("bias", "n_group", "topk_group", "scaling", "renormalize")
+_ROUTE_KW = ("bias", "n_group", "topk_group", "scaling", "renormalize", "norm_eps")
 _FUSED_KW = ("quant", "w13_scale", "w2_scale", "w13_bias", "w2_bias", "activation", "alpha", "limit", "dispatch")
 
 

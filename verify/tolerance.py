@@ -213,17 +213,30 @@ def _route_sum_f32(w: torch.Tensor) -> torch.Tensor:
     return acc.unsqueeze(-1)
 
 
+def _route_resolved(method: str, renormalize, norm_eps):
+    """renormalize and norm_eps with None taken as the method's defaults (SPEC 6)."""
+    from reference.validate import NORM_EPS_DEFAULT, RENORMALIZE_DEFAULT
+    if renormalize is None:
+        renormalize = RENORMALIZE_DEFAULT[method]
+    if norm_eps is None:
+        norm_eps = NORM_EPS_DEFAULT.get(method, 0.0)
+    return renormalize, norm_eps
+
+
 def route_weights_for_ids(logits: torch.Tensor, ids: torch.Tensor, method: str, *,
-                          bias=None, scaling: float = 1.0, renormalize: bool = False,
-                          exact: bool = True) -> torch.Tensor:
-    """SPEC's weight formula of `method` for given ids [T, K] (f32 [T, K]).
+                          bias=None, scaling: float = 1.0, renormalize: Optional[bool] = None,
+                          norm_eps: Optional[float] = None, exact: bool = True) -> torch.Tensor:
+    """SPEC's weight formula of `method` for given ids [T, K] (f32 [T, K]); renormalize and
+    norm_eps None: the method's defaults.
 
     exact=True: softmax and sigmoid are the exact functions rounded once to f32 (as the
     reference computes them), so for the reference's own ids this reproduces its weights;
     verify uses it to get the expected weights of a row whose ids legitimately differ (a
     near-tie flip). exact=False: torch's f32 softmax/sigmoid, the eager baseline."""
+    renormalize, eps = _route_resolved(method, renormalize, norm_eps)
     x = logits.to(torch.float32)
     sel = ids.to(torch.int64)
+    c = torch.tensor(scaling, dtype=torch.float32)
     if exact:
         sig = lambda v: torch.sigmoid(v.to(torch.float64)).to(torch.float32)
         smax = lambda v: torch.softmax(v.to(torch.float64), dim=-1).to(torch.float32)
@@ -232,50 +245,61 @@ def route_weights_for_ids(logits: torch.Tensor, ids: torch.Tensor, method: str, 
         smax = lambda v: torch.softmax(v, dim=-1)
     if sel.shape[1] == 0 or sel.shape[0] == 0:
         return torch.zeros(sel.shape, dtype=torch.float32)
-    if method == "softmax_topk":
+    if method in ("sigmoid_bias", "grouped_sigmoid_bias"):
+        s = sig(x).gather(-1, sel)
+        w = (s * c) / (_route_sum_f32(s) + eps) if renormalize else s * c
+        return w.to(torch.float32)
+    if method in ("softmax_topk", "grouped_softmax"):
         w = smax(x).gather(-1, sel)
         if renormalize:
             w = w / _route_sum_f32(w)
+    elif method == "softmax_bias":
+        w = smax(x).gather(-1, sel)
+        if renormalize:
+            w = w / _route_sum_f32(w).clamp_min(eps)
     elif method == "topk_softmax":
         w = smax(x.gather(-1, sel))
     elif method == "sigmoid_topk":
         w = sig(x).gather(-1, sel)
         if renormalize:
-            w = w / _route_sum_f32(w).clamp_min(1e-20)
-    elif method in ("sigmoid_bias", "grouped_sigmoid_bias"):
-        s = sig(x).gather(-1, sel)
-        w = (s * torch.tensor(scaling, dtype=torch.float32)) / (_route_sum_f32(s) + 1e-20)
+            w = w / _route_sum_f32(w).clamp_min(eps)
     elif method == "llama4":
         w = sig(x.gather(-1, sel))
     else:
         raise ValueError(f"unknown method {method!r}")
-    return w.to(torch.float32)
+    return (w * c).to(torch.float32)
 
 
 def route_weight_scale(logits: torch.Tensor, ids: torch.Tensor, method: str, *, scaling: float = 1.0,
-                       renormalize: bool = False):
+                       renormalize: Optional[bool] = None, norm_eps: Optional[float] = None):
     """(m [T, 1], key [T, K]): route's weights are key * m per row, with key the exact f32
-    sigmoid or softmax of the selected experts (topk_softmax/llama4: m = 1, key = weight).
-    verify uses it for subnormal keys: SPEC's exact sigmoid of a logit below about -87 is an
-    f32 subnormal, which many f32 implementations (torch's included) flush to 0; a few
-    subnormal ulps of the key are then amplified by m (up to scaling / 1e-20)."""
+    sigmoid or softmax of the selected experts (topk_softmax/llama4: m = |scaling|, key = the
+    unscaled weight). verify uses it for subnormal keys: SPEC's exact sigmoid of a logit below
+    about -87 is an f32 subnormal, which many f32 implementations (torch's included) flush to
+    0; a few subnormal ulps of the key are then amplified by m (up to scaling / norm_eps)."""
+    renormalize, eps = _route_resolved(method, renormalize, norm_eps)
     x = logits.to(torch.float32)
     sel = ids.to(torch.int64).clamp_min(0)
+    c = abs(float(torch.tensor(scaling, dtype=torch.float32)))
+    ones = torch.ones(sel.shape[0], 1)
     if sel.numel() == 0:
-        return torch.ones(sel.shape[0], 1), torch.zeros(sel.shape, dtype=torch.float32)
+        return ones, torch.zeros(sel.shape, dtype=torch.float32)
     sig = lambda v: torch.sigmoid(v.to(torch.float64)).to(torch.float32)
-    if method == "softmax_topk":
+    # (a floor of 2^-126 keeps m finite where a normalization divides by a zero sum: eps = 0)
+    tiny = torch.finfo(torch.float32).tiny
+    if method in ("softmax_topk", "grouped_softmax", "softmax_bias"):
         key = torch.softmax(x.to(torch.float64), dim=-1).to(torch.float32).gather(-1, sel)
-        m = 1.0 / _route_sum_f32(key) if renormalize else torch.ones(sel.shape[0], 1)
+        floor = max(eps, tiny) if method == "softmax_bias" else tiny
+        m = c / _route_sum_f32(key).clamp_min(floor) if renormalize else c * ones
     elif method == "sigmoid_topk":
         key = sig(x).gather(-1, sel)
-        m = 1.0 / _route_sum_f32(key).clamp_min(1e-20) if renormalize else torch.ones(sel.shape[0], 1)
+        m = c / _route_sum_f32(key).clamp_min(max(eps, tiny)) if renormalize else c * ones
     elif method in ("sigmoid_bias", "grouped_sigmoid_bias"):
         key = sig(x).gather(-1, sel)
-        m = abs(scaling) / (_route_sum_f32(key) + 1e-20)
+        m = c / (_route_sum_f32(key) + eps).clamp_min(tiny) if renormalize else c * ones
     else:
         key = route_weights_for_ids(x, ids, method)
-        m = torch.ones(sel.shape[0], 1)
+        m = c * ones
     return m.to(torch.float64), key
 
 

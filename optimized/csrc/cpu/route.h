@@ -13,11 +13,15 @@ namespace moelab::cpu {
 enum RouteMethod : int {
   kSoftmaxTopk = 0,         // key p = softmax(x); weight p (renormalize: / sum)
   kTopkSoftmax = 1,         // key x; weight softmax over the K selected x
-  kSigmoidTopk = 2,         // key s = sigmoid(x); weight s (renormalize: / max(sum, 1e-20))
-  kSigmoidBias = 3,         // key s + bias; weight s * scaling / (sum s + 1e-20)
-  kGroupedSigmoidBias = 4,  // as kSigmoidBias, keys of dropped groups set to -inf first
+  kSigmoidTopk = 2,         // key s = sigmoid(x); weight s (renormalize: / max(sum, norm_eps))
+  kSigmoidBias = 3,         // key s + bias; weight s * scaling (renormalize: / (sum s + norm_eps))
+  kGroupedSigmoidBias = 4,  // as kSigmoidBias, keys of dropped groups (top-2 sum) set to -inf first
   kLlama4 = 5,              // key x; weight sigmoid(x), K = 1
+  kGroupedSoftmax = 6,      // as kSoftmaxTopk, keys of dropped groups (largest p) set to -inf first
+  kSoftmaxBias = 7,         // key p + bias; weight p (renormalize: / max(sum, norm_eps))
 };
+// Every method's weights end multiplied by scaling (the biased sigmoid methods inside their
+// formula: s * scaling / (sum + eps)); scaling = 1 is exact.
 
 constexpr int kRouteMaxExperts = 2048;
 constexpr int kRouteMaxTopK = 32;
@@ -27,13 +31,15 @@ struct RouteParams {
   const void* logits;   // [T, E], rows `ld` elements apart, unit stride along E
   Fmt fmt;              // f32, bf16 or f16
   int64_t ld;
-  const void* bias;     // [E] contiguous (biased methods only), f32 or bf16
+  const void* bias;     // [E] contiguous (biased methods only: sigmoid_bias, grouped_sigmoid_bias,
+                        // softmax_bias), f32 or bf16
   Fmt bias_fmt;
   int method;           // RouteMethod
   int E, K;             // 1 <= K <= min(E, 32), E <= 2048
   int n_group, topk_group;
   float scaling;
-  bool renormalize;
+  bool renormalize;     // resolved by the binding (the method's default where unset)
+  float norm_eps;       // resolved f32 epsilon of the normalization (unused where none)
   float* weights;       // [T, K] f32 out
   int32_t* ids;         // [T, K] int32 out
 };

@@ -2,12 +2,13 @@
 //
 // Per token t (x = the logits row, read in its own dtype and widened in registers; no f32
 // copy of the logits is ever written):
-//   1. key pass: the method's f32 key of every expert (softmax p, x, sigmoid s, s + bias),
-//      turned at once into a 32-bit *order key* ok (see okey()): unsigned order of ok ==
-//      the contract's total order of keys (NaN above +inf, all NaNs equal, -0 == +0).
+//   1. key pass: the method's f32 key of every expert (softmax p, x, sigmoid s, s + bias,
+//      p + bias), turned at once into a 32-bit *order key* ok (see okey()): unsigned order of
+//      ok == the contract's total order of keys (NaN above +inf, all NaNs equal, -0 == +0).
 //      Stored to a small per-thread buffer (E <= 2048 -> 8 KB, stays in L1).
-//   2. grouped_sigmoid_bias only: group scores (sum of the two largest keys of each group),
-//      the topk_group best groups kept, the order keys of the others set to ok(-inf).
+//   2. grouped methods only: group scores (grouped_sigmoid_bias: sum of the two largest keys
+//      of each group; grouped_softmax: the largest), the topk_group best groups kept, the
+//      order keys of the others set to ok(-inf).
 //   3. selection: the K largest composites c = (ok << 32) | (0xFFFFFFFF - index), compared
 //      as unsigned 64-bit integers, so equal keys rank lower index first; c is unique per
 //      expert, so the top K is exactly determined and any correct algorithm gives the same
@@ -21,7 +22,9 @@
 //      insertion instead: a sorted list of the best K so far; a vector compare against
 //      the current K-th best skips every chunk without a better key.
 //   4. weights from the selected composites (the order key gives back the key's value) and
-//      from the stored sigmoid s (biased methods, whose weights leave the bias out).
+//      from the stored sigmoid s or softmax p (biased methods, whose weights leave the bias
+//      out); then the normalization (renormalize, resolved by the binding; its norm_eps) and
+//      scaling, in the reference's order of f32 operations (reference/route.py).
 //
 // Arithmetic. exp is our own f32 routine: Cody-Waite reduction with FMA, a degree-6
 // polynomial fitted for relative error (3.8e-9), and an exact scaling by 2^n that also rounds
@@ -414,19 +417,29 @@ template <Fmt F, int R> void keys_logit(const void* row, int E, uint32_t* ok, La
   sink = L;
 }
 
-template <Fmt F, int R> void keys_softmax(const void* row, int E, uint32_t* ok, double* ed, Lanes<R>& sink) {
+// p = softmax(x); key = p, or p + bias (BIAS: softmax_bias, which also stores p in p_out for
+// its weights; p + bias is never -0.0 since p >= +0).
+template <Fmt F, Fmt B, bool BIAS, int R>
+void keys_softmax(const void* row, const void* bias, int E, uint32_t* ok, double* ed, float* p_out, Lanes<R>& sink) {
   Lanes<R> L = sink;
   const float m = softmax_max<F>(row, E);
   if (m != m) {
+    const vf nan = vset1(__builtin_nanf(""));
     for (int i = 0; i < E; i += W) {
-      vu k = okey<false>(vset1(__builtin_nanf("")));
+      if constexpr (BIAS) st_f32(p_out + i, nan);
+      vu k = okey<false>(nan);                             // NaN + bias is NaN too
       ustore(ok + i, k);
       L.add(k, E - i);
     }
   } else {
     const double inv = softmax_exp<F>(row, E, m, ed);
     for (int i = 0; i < E; i += W) {
-      vu k = okey<false>(mul_round(dload(ed + i), inv));   // p >= +0
+      vf pv = mul_round(dload(ed + i), inv);               // p >= +0
+      if constexpr (BIAS) {
+        st_f32(p_out + i, pv);
+        pv = vadd(pv, load_row<B>(bias, i, E - i));
+      }
+      vu k = okey<false>(pv);
       ustore(ok + i, k);
       L.add(k, E - i);
     }
@@ -610,9 +623,12 @@ template <int R> inline void select_topk(const uint32_t* ok, int E, int K, const
   select_scan(ok, E, K, out);
 }
 
-// DeepSeek-V3 group restriction on the order keys: score each group by the f32 sum of its two
-// largest keys, keep the topk_group best groups (ties: lower group), set the rest to -inf.
-void mask_groups(uint32_t* ok, int E, int n_group, int topk_group) {
+// Group restriction on the order keys: score each group, keep the topk_group best groups
+// (ties: lower group), set the keys of the rest to -inf. TOP2 (DeepSeek-V3,
+// grouped_sigmoid_bias): the score is the f32 sum of the group's two largest keys; otherwise
+// (DeepSeek-V2 group_limited_greedy, grouped_softmax) the group's largest key, whose order key
+// is already the score's (order keys are canonical: one NaN, -0 as +0).
+template <bool TOP2> void mask_groups(uint32_t* ok, int E, int n_group, int topk_group) {
   const int gs = E / n_group;
   TopList G;
   for (int g = 0; g < n_group; ++g) {
@@ -622,8 +638,7 @@ void mask_groups(uint32_t* ok, int E, int n_group, int topk_group) {
       if (o > b1) { b2 = b1; b1 = o; }
       else if (o > b2) b2 = o;
     }
-    float score = okey_value(b1) + okey_value(b2);
-    offer(G, topk_group, okey1(score), uint32_t(g));
+    offer(G, topk_group, TOP2 ? okey1(okey_value(b1) + okey_value(b2)) : b1, uint32_t(g));
   }
   bool keep[kRouteMaxGroups] = {false};
   for (int j = 0; j < topk_group; ++j) keep[comp_index(G.v[j])] = true;
@@ -653,15 +668,21 @@ template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t
     const void* row = static_cast<const char*>(p.logits) + t * row_bytes;
     Lanes<R> L;
     switch (p.method) {
-      case kSoftmaxTopk: keys_softmax<F, R>(row, E, ok, ed, L); break;
+      case kSoftmaxTopk: keys_softmax<F, B, false, R>(row, nullptr, E, ok, ed, nullptr, L); break;
+      case kSoftmaxBias: keys_softmax<F, B, true, R>(row, p.bias, E, ok, ed, sbuf, L); break;
       case kTopkSoftmax:
       case kLlama4: keys_logit<F, R>(row, E, ok, L); break;
       case kSigmoidTopk: keys_sigmoid<F, B, false, R>(row, nullptr, E, ok, nullptr, L); break;
       case kSigmoidBias: keys_sigmoid<F, B, true, R>(row, p.bias, E, ok, sbuf, L); break;
       default: {   // grouped: mask the dropped groups, then feed the sink
         Lanes<0> none;
-        keys_sigmoid<F, B, true, 0>(row, p.bias, E, ok, sbuf, none);
-        mask_groups(ok, E, p.n_group, p.topk_group);
+        if (p.method == kGroupedSoftmax) {
+          keys_softmax<F, B, false, 0>(row, nullptr, E, ok, ed, nullptr, none);
+          mask_groups<false>(ok, E, p.n_group, p.topk_group);
+        } else {
+          keys_sigmoid<F, B, true, 0>(row, p.bias, E, ok, sbuf, none);
+          mask_groups<true>(ok, E, p.n_group, p.topk_group);
+        }
         if constexpr (R > 0)
           for (int i = 0; i < E; i += W) L.add(uload(ok + i), E - i);
         break;
@@ -674,11 +695,21 @@ template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t
     for (int j = 0; j < K; ++j) id[j] = int32_t(comp_index(sel[j]));
     switch (p.method) {
       case kSoftmaxTopk:
-      case kSigmoidTopk: {
+      case kGroupedSoftmax:
+      case kSigmoidTopk: {   // the keys are the weights (grouped: the kept p)
         for (int j = 0; j < K; ++j) w[j] = okey_value(comp_okey(sel[j]));
         if (p.renormalize) {
           float s = sum_f32(w, K);
-          if (p.method == kSigmoidTopk) s = s < 1e-20f ? 1e-20f : s;   // clamp_min, NaN stays
+          if (p.method == kSigmoidTopk) s = s < p.norm_eps ? p.norm_eps : s;   // clamp_min, NaN stays
+          for (int j = 0; j < K; ++j) w[j] = w[j] / s;
+        }
+        break;
+      }
+      case kSoftmaxBias: {   // p, the bias left out
+        for (int j = 0; j < K; ++j) w[j] = sbuf[comp_index(sel[j])];
+        if (p.renormalize) {
+          float s = sum_f32(w, K);
+          s = s < p.norm_eps ? p.norm_eps : s;                                  // clamp_min, NaN stays
           for (int j = 0; j < K; ++j) w[j] = w[j] / s;
         }
         break;
@@ -703,14 +734,22 @@ template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t
         w[0] = small[0];
         break;
       }
-      default: {   // sigmoid_bias, grouped_sigmoid_bias
+      default: {   // sigmoid_bias, grouped_sigmoid_bias: scaling inside the formula
         for (int j = 0; j < K; ++j) small[j] = sbuf[comp_index(sel[j])];
-        const vf den = vset1(sum_f32(small, K) + 1e-20f), scale = vset1(p.scaling);
-        for (int j = 0; j < K; j += W) st_f32(small + j, vdiv(vmul(ld_f32(small + j, K - j), scale), den));
+        const vf scale = vset1(p.scaling);
+        if (p.renormalize) {
+          const vf den = vset1(sum_f32(small, K) + p.norm_eps);
+          for (int j = 0; j < K; j += W) st_f32(small + j, vdiv(vmul(ld_f32(small + j, K - j), scale), den));
+        } else {
+          for (int j = 0; j < K; j += W) st_f32(small + j, vmul(ld_f32(small + j, K - j), scale));
+        }
         for (int j = 0; j < K; ++j) w[j] = small[j];
-        break;
+        continue;
       }
     }
+    // Every other method: the final weights times scaling (SPEC 6); 1.0 (most calls) is exact.
+    if (p.scaling != 1.0f)
+      for (int j = 0; j < K; ++j) w[j] = w[j] * p.scaling;
   }
 }
 

@@ -46,7 +46,7 @@ int warp_size();
 // Method codes: the same numbers as the CPU kernel's (csrc/cpu/route.h).
 enum RouteMethod : int {
   kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidTopk = 2, kSigmoidBias = 3,
-  kGroupedSigmoidBias = 4, kLlama4 = 5,
+  kGroupedSigmoidBias = 4, kLlama4 = 5, kGroupedSoftmax = 6, kSoftmaxBias = 7,
 };
 constexpr int kRouteMaxExperts = 2048, kRouteMaxTopK = 32, kRouteMaxGroups = 32,
               kRouteMaxGroupedExperts = 1024;
@@ -55,13 +55,16 @@ struct RouteArgs {
   const void* logits;   // [T, E], rows `ld` elements apart, unit stride along E
   Fmt fmt;              // f32, bf16 or f16
   int64_t ld;
-  const void* bias;     // [E] contiguous, f32 or bf16 (biased methods), else nullptr
+  const void* bias;     // [E] contiguous, f32 or bf16 (biased methods: sigmoid_bias,
+                        // grouped_sigmoid_bias, softmax_bias), else nullptr
   Fmt bias_fmt;
   int method;           // RouteMethod
   int64_t T;
   int E, K, n_group, topk_group;
-  float scaling;
-  bool renormalize;
+  float scaling;        // every method's final weights times scaling (SPEC 6)
+  bool renormalize;     // resolved (the binding applies the method's default)
+  float norm_eps;       // resolved epsilon: (sum + eps) biased sigmoid, max(sum, eps) sigmoid_topk
+                        // and softmax_bias; unused by the other methods
   float* weights;       // [T, K] f32 out, contiguous
   int32_t* ids;         // [T, K] int32 out, contiguous
 };

@@ -1,6 +1,6 @@
 // route on the GPU: top-k expert selection (SPEC section 1), CUDA and HIP from one source.
 //
-// Keys. Each expert's f32 key (softmax p, logit x, sigmoid s, s + bias) becomes a 32-bit
+// Keys. Each expert's f32 key (softmax p, logit x, sigmoid s, s + bias, p + bias) becomes a 32-bit
 // *order key* ok (okey()): unsigned order of ok == the contract's total order (NaN above
 // +inf, NaNs equal, -0 == +0). The composite c = (ok << 32) | (0xFFFFFFFF - index) is unique
 // per expert and its unsigned order ranks equal keys lower index first, so "the K largest
@@ -21,12 +21,15 @@
 //          warp's top K (K rounds of arg-max over the list heads), and the warps' lists are
 //          merged pairwise in shared memory, log2(warps) levels, by rank (an element's rank
 //          in the union = its index in its list + the elements of the other list above it).
-// grouped_sigmoid_bias (both tiers): per group, the top two order keys (a warp reduction of
-// (max, second max) pairs), score = f32 sum of their values, the topk_group best groups kept
-// (rank by counting, ties to the lower group), the keys of the other groups set to -inf.
+// Grouped methods (both tiers): per group, the top two order keys (a warp reduction of
+// (max, second max) pairs); score = f32 sum of their values (grouped_sigmoid_bias, DeepSeek-V3)
+// or the largest alone (grouped_softmax, DeepSeek-V2 group_limited_greedy); the topk_group
+// best groups kept (rank by counting, ties to the lower group), the keys of the other groups
+// set to -inf.
 //
 // Weights (lane j holds slot j): sums over the K selected run in increasing j, f32 (f64 for
-// the softmax over the K selected, rounded once), exactly the reference's formulas.
+// the softmax over the K selected, rounded once), then the normalization (renormalize and
+// norm_eps arrive resolved) and scaling: exactly the reference's formulas and f32 operations.
 //
 // Floors (H200: ~4.8 TB/s HBM, a few us per launch): bytes = T*E*sizeof(logits) + T*K*8;
 // seed 004's shape T = 512, E = 896, K = 16, f32 logits: 1.8 MB -> ~0.4 us of memory, so a
@@ -94,6 +97,11 @@ MOELAB_DEV void top2_push(uint32_t& b1, uint32_t& b2, uint32_t o) {
 // The exact function evaluated in f64 and rounded once to f32, as the reference does.
 MOELAB_DEV float sigmoid_rn(float x) { return float(1.0 / (1.0 + exp(-double(x)))); }
 
+__host__ __device__ inline bool is_softmax_key(int m) {
+  return m == kSoftmaxTopk || m == kGroupedSoftmax || m == kSoftmaxBias;
+}
+__host__ __device__ inline bool is_grouped(int m) { return m == kGroupedSigmoidBias || m == kGroupedSoftmax; }
+
 MOELAB_DEV float load_bias(const RouteArgs& a, int e) {
   return a.bias_fmt == Fmt::kBF16 ? bf16_f32(static_cast<const uint16_t*>(a.bias)[e])
                                   : static_cast<const float*>(a.bias)[e];
@@ -135,12 +143,14 @@ struct SoftmaxRow {
   double m, sum;
   bool bad;              // a NaN in the row or a non-finite max: every p is NaN
 };
+MOELAB_DEV float softmax_p(float x, const SoftmaxRow& sm) {
+  return sm.bad ? __int_as_float(0x7fc00000) : float(exp(double(x) - sm.m) / sm.sum);
+}
 MOELAB_DEV uint32_t key_of(const RouteArgs& a, int e, float x, const SoftmaxRow& sm) {
   switch (a.method) {
-    case kSoftmaxTopk: {
-      if (sm.bad) return 0xffffffffu;
-      return okey(float(exp(double(x) - sm.m) / sm.sum));
-    }
+    case kSoftmaxTopk:
+    case kGroupedSoftmax: return okey(softmax_p(x, sm));     // a bad row: every p is NaN
+    case kSoftmaxBias: return okey(softmax_p(x, sm) + load_bias(a, e));   // f32 add
     case kTopkSoftmax:
     case kLlama4: return okey(x);
     case kSigmoidTopk: return okey(sigmoid_rn(x));
@@ -162,7 +172,7 @@ MOELAB_DEV const void* logits_row(const RouteArgs& a, int64_t t) {
   return static_cast<const char*>(a.logits) + t * a.ld * (a.fmt == Fmt::kF32 ? 4 : 2);
 }
 
-MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint64_t c) {
+MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint64_t c, const SoftmaxRow& sm) {
   const int lane = lane_id();
   const int K = a.K;
   const bool mine = lane < K;
@@ -171,12 +181,16 @@ MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint
   float w = 0.0f;
   switch (a.method) {
     case kSoftmaxTopk:
-    case kSigmoidTopk: {
-      w = key;
+    case kGroupedSoftmax:
+    case kSigmoidTopk:
+    case kSoftmaxBias: {
+      // the key is the weight, except softmax_bias: p of the expert, the bias left out
+      w = a.method != kSoftmaxBias ? key : mine ? softmax_p(load_logit(a, row, int(id)), sm) : 0.0f;
       if (a.renormalize) {
         float s = shfl_idx(w, 0);
         for (int j = 1; j < K; ++j) s = add_rn(s, shfl_idx(w, j));   // increasing j
-        if (a.method == kSigmoidTopk) s = s < 1e-20f ? 1e-20f : s;   // clamp_min; NaN stays
+        if (a.method == kSigmoidTopk || a.method == kSoftmaxBias)
+          s = s < a.norm_eps ? a.norm_eps : s;                       // clamp_min; NaN stays
         w = w / s;
       }
       break;
@@ -194,12 +208,14 @@ MOELAB_DEV void write_slots(const RouteArgs& a, const void* row, int64_t t, uint
     default: {                       // (grouped_)sigmoid_bias: the bias never enters a weight
       const float s = mine ? sigmoid_rn(load_logit(a, row, int(id))) : 0.0f;
       float sum = shfl_idx(s, 0);
-      for (int j = 1; j < K; ++j) sum = add_rn(sum, shfl_idx(s, j));
-      const float den = add_rn(sum, 1e-20f);
-      w = mul_rn(s, a.scaling) / den;
+      if (a.renormalize)
+        for (int j = 1; j < K; ++j) sum = add_rn(sum, shfl_idx(s, j));
+      w = a.renormalize ? mul_rn(s, a.scaling) / add_rn(sum, a.norm_eps) : mul_rn(s, a.scaling);
       break;
     }
   }
+  // Every other method: the final weights times scaling (SPEC 6; 1.0 is exact).
+  if (a.method != kSigmoidBias && a.method != kGroupedSigmoidBias) w = mul_rn(w, a.scaling);
   if (mine) {
     a.weights[t * K + lane] = w;
     a.ids[t * K + lane] = int32_t(id);
@@ -224,7 +240,7 @@ route_warp_kernel(RouteArgs a) {
     x[i] = e < E ? load_logit(a, row, e) : 0.0f;
   }
   SoftmaxRow sm{0.0, 1.0, false};
-  if (a.method == kSoftmaxTopk) {
+  if (is_softmax_key(a.method)) {
     bool nan = false;
     float m = __int_as_float(int(0xff800000u));
 #pragma unroll
@@ -251,7 +267,8 @@ route_warp_kernel(RouteArgs a) {
     c[i] = e < E ? composite(key_of(a, e, x[i], sm), uint32_t(e)) : 0ull;
   }
 
-  if (a.method == kGroupedSigmoidBias && a.topk_group < a.n_group) {
+  if (is_grouped(a.method) && a.topk_group < a.n_group) {
+    const bool top2 = a.method == kGroupedSigmoidBias;   // else the largest key alone
     const int gs = E / a.n_group;
     int grp[P];                                          // group of each held expert (-1: none)
 #pragma unroll
@@ -263,7 +280,7 @@ route_warp_kernel(RouteArgs a) {
       for (int i = 0; i < P; ++i)
         if (grp[i] == g) top2_push(b1, b2, comp_okey(c[i]));
       warp_top2(b1, b2);
-      const float score = okey_value(b1) + okey_value(b2);
+      const float score = top2 ? okey_value(b1) + okey_value(b2) : okey_value(b1);
       if (lane == g) gcomp = composite(okey(score), uint32_t(g));
     }
     int rank = 0;
@@ -284,7 +301,7 @@ route_warp_kernel(RouteArgs a) {
     for (int i = 0; i < P; ++i) c[i] = c[i] == best ? 0ull : c[i];
     if (lane == j) slot = best;
   }
-  write_slots(a, row, t, slot);
+  write_slots(a, row, t, slot, sm);
 }
 
 // ==================================================================== block tier
@@ -312,7 +329,7 @@ route_block_kernel(RouteArgs a) {
     x[i] = e < E ? load_logit(a, row, e) : 0.0f;
   }
   SoftmaxRow sm{0.0, 1.0, false};
-  if (a.method == kSoftmaxTopk) {                        // block max, then f64 block sum
+  if (is_softmax_key(a.method)) {                        // block max, then f64 block sum
     bool nan = false;
     float m = __int_as_float(int(0xff800000u));
 #pragma unroll
@@ -351,7 +368,8 @@ route_block_kernel(RouteArgs a) {
     c[i] = e < E ? composite(key_of(a, e, x[i], sm), uint32_t(e)) : 0ull;
   }
 
-  if (a.method == kGroupedSigmoidBias && a.topk_group < a.n_group) {
+  if (is_grouped(a.method) && a.topk_group < a.n_group) {
+    const bool top2 = a.method == kGroupedSigmoidBias;   // else the largest key alone
     const int gs = E / a.n_group;
     int grp[P];
 #pragma unroll
@@ -368,7 +386,7 @@ route_block_kernel(RouteArgs a) {
     if (tid < a.n_group) {
       uint32_t b1 = g_top[0][tid][0], b2 = g_top[0][tid][1];
       for (int w = 1; w < kBlockWarps; ++w) top2_merge(b1, b2, g_top[w][tid][0], g_top[w][tid][1]);
-      g_comp[tid] = composite(okey(okey_value(b1) + okey_value(b2)), uint32_t(tid));
+      g_comp[tid] = composite(okey(top2 ? okey_value(b1) + okey_value(b2) : okey_value(b1)), uint32_t(tid));
     }
     __syncthreads();
     uint32_t keep = 0;                                   // bit g: group g kept
@@ -423,7 +441,7 @@ route_block_kernel(RouteArgs a) {
     src ^= 1;
     __syncthreads();
   }
-  if (warp == 0) write_slots(a, row, t, lane < K ? lists[src][0][lane] : 0ull);
+  if (warp == 0) write_slots(a, row, t, lane < K ? lists[src][0][lane] : 0ull, sm);
 }
 
 // ------------------------------------------------------------------ dispatch helpers
@@ -471,10 +489,12 @@ int route_plan(int E, int K, RoutePlan* plan) {
 int route_launch(const RouteArgs& a, Stream stream) {
   if (a.T < 0 || a.E < 1 || a.E > kRouteMaxExperts || a.K < 1 || a.K > kRouteMaxTopK || a.K > a.E)
     return kBadArgument;
-  if (a.method < kSoftmaxTopk || a.method > kLlama4 || (a.method == kLlama4 && a.K != 1)) return kBadArgument;
-  const bool biased = a.method == kSigmoidBias || a.method == kGroupedSigmoidBias;
+  if (a.method < kSoftmaxTopk || a.method > kSoftmaxBias || (a.method == kLlama4 && (a.K != 1 || a.renormalize)))
+    return kBadArgument;
+  if (!(a.norm_eps >= 0.0f)) return kBadArgument;        // NaN too
+  const bool biased = a.method == kSigmoidBias || a.method == kGroupedSigmoidBias || a.method == kSoftmaxBias;
   if (biased && (a.bias == nullptr || (a.bias_fmt != Fmt::kF32 && a.bias_fmt != Fmt::kBF16))) return kBadArgument;
-  if (a.method == kGroupedSigmoidBias &&
+  if (is_grouped(a.method) &&
       (a.E > kRouteMaxGroupedExperts || a.n_group < 1 || a.n_group > kRouteMaxGroups || a.E % a.n_group != 0 ||
        a.E / a.n_group < 2 || a.topk_group < 1 || a.topk_group > a.n_group ||
        a.K > a.topk_group * (a.E / a.n_group)))

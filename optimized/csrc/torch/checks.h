@@ -106,45 +106,56 @@ inline void check_disjoint(std::initializer_list<Span> inputs, std::initializer_
 inline bool unit_inner_stride(const at::Tensor& t) { return t.numel() == 0 || t.size(1) == 1 || t.stride(1) == 1; }
 
 // ------------------------------------------------------------------------------ route
-enum RouteMethodCode : int {   // the order of SPEC's table; the kernels' enums use these values
+enum RouteMethodCode : int {   // the order of SPEC's table and reference.validate.ROUTE_METHODS;
+                               // the kernels' enums use these values
   kSoftmaxTopk = 0, kTopkSoftmax = 1, kSigmoidTopk = 2, kSigmoidBias = 3, kGroupedSigmoidBias = 4, kLlama4 = 5,
+  kGroupedSoftmax = 6, kSoftmaxBias = 7,
 };
+constexpr int kRouteNumMethods = 8;
 
 struct RouteSizes {
   int64_t T, E;
   int method;
-  bool biased;
+  bool biased;        // takes a bias: sigmoid_bias, grouped_sigmoid_bias, softmax_bias
+  bool renormalize;   // resolved: the method's default where the call left it unset
+  double norm_eps;    // resolved: the method's default where unset (0.0 for a method without one)
 };
 
 // logits [T, E] f32/bf16/f16 (any strides), bias [E] f32/bf16 (any stride; contiguity, if a
 // backend needs it, is its own check) for the biased methods only, and the scalars.
+// renormalize and norm_eps are resolved exactly as reference.validate.check_route resolves
+// them (SPEC 6): renormalize unset = on for the biased methods, off for the rest; set True is
+// refused for llama4 only. norm_eps unset = 1e-20 (sigmoid_topk, sigmoid_bias,
+// grouped_sigmoid_bias) or 1e-12 (softmax_bias); set: finite, >= 0, only for those methods.
 inline RouteSizes check_route_args(const char* op, const at::Tensor& logits, int64_t top_k, const std::string& method,
-                                   const std::optional<at::Tensor>& bias, double scaling, bool renormalize,
-                                   int64_t n_group, int64_t topk_group) {
+                                   const std::optional<at::Tensor>& bias, double scaling,
+                                   std::optional<bool> renormalize, int64_t n_group, int64_t topk_group,
+                                   std::optional<double> norm_eps) {
   check_tensor(logits, op, "logits", 2, {at::kFloat, at::kBFloat16, at::kHalf}, /*contiguous=*/false);
   const int64_t T = logits.size(0), E = logits.size(1);
   MOELAB_CHECK(E >= 1 && E <= kRouteMaxExperts, op, "logits", "must have 1 <= E <= ", kRouteMaxExperts,
                " columns (experts), got E = ", E);
-  static const char* names[] = {"softmax_topk", "topk_softmax", "sigmoid_topk",
-                                "sigmoid_bias", "grouped_sigmoid_bias", "llama4"};
+  static const char* names[kRouteNumMethods] = {"softmax_topk", "topk_softmax", "sigmoid_topk",
+                                                "sigmoid_bias", "grouped_sigmoid_bias", "llama4",
+                                                "grouped_softmax", "softmax_bias"};
   int m = -1;
-  for (int i = 0; i < 6; ++i)
+  for (int i = 0; i < kRouteNumMethods; ++i)
     if (method == names[i]) m = i;
   MOELAB_CHECK(m >= 0, op, "method", "must be one of softmax_topk, topk_softmax, sigmoid_topk, "
-               "sigmoid_bias, grouped_sigmoid_bias, llama4; got '", method, "'");
+               "sigmoid_bias, grouped_sigmoid_bias, llama4, grouped_softmax, softmax_bias; got '", method, "'");
   const int64_t k_max = std::min<int64_t>(E, kRouteMaxTopK);
   MOELAB_CHECK(top_k >= 1 && top_k <= k_max, op, "top_k", "must satisfy 1 <= top_k <= min(E, ", kRouteMaxTopK,
                ") = ", k_max, ", got ", top_k);
   MOELAB_CHECK(m != kLlama4 || top_k == 1, op, "top_k", "must be 1 for method 'llama4', got ", top_k);
-  const bool biased = m == kSigmoidBias || m == kGroupedSigmoidBias;
+  const bool biased = m == kSigmoidBias || m == kGroupedSigmoidBias || m == kSoftmaxBias;
   if (biased) {
     MOELAB_CHECK(bias.has_value(), op, "bias", "is required by method '", method, "'");
     check_tensor(*bias, op, "bias", 1, {at::kFloat, at::kBFloat16}, /*contiguous=*/false);
     MOELAB_CHECK(bias->size(0) == E, op, "bias", "must have shape (", E, "), got ", bias->sizes());
   } else {
-    MOELAB_CHECK(!bias.has_value(), op, "bias", "is only used by sigmoid_bias, grouped_sigmoid_bias");
+    MOELAB_CHECK(!bias.has_value(), op, "bias", "is only used by sigmoid_bias, grouped_sigmoid_bias, softmax_bias");
   }
-  if (m == kGroupedSigmoidBias) {
+  if (m == kGroupedSigmoidBias || m == kGroupedSoftmax) {
     MOELAB_CHECK(E <= kRouteMaxGroupedExperts, op, "logits", "must have E <= ", kRouteMaxGroupedExperts,
                  " for grouped routing, got E = ", E);
     MOELAB_CHECK(n_group >= 1 && n_group <= kRouteMaxGroups, op, "n_group", "must satisfy 1 <= n_group <= ",
@@ -156,17 +167,26 @@ inline RouteSizes check_route_args(const char* op, const at::Tensor& logits, int
     MOELAB_CHECK(top_k <= topk_group * (E / n_group), op, "top_k", "must be <= topk_group * E / n_group = ",
                  topk_group * (E / n_group), ", got ", top_k);
   } else {
-    MOELAB_CHECK(n_group == 1, op, "n_group", "only applies to method 'grouped_sigmoid_bias', got ", n_group);
-    MOELAB_CHECK(topk_group == 1, op, "topk_group", "only applies to method 'grouped_sigmoid_bias', got ",
+    MOELAB_CHECK(n_group == 1, op, "n_group", "only applies to grouped_sigmoid_bias, grouped_softmax, got ",
+                 n_group);
+    MOELAB_CHECK(topk_group == 1, op, "topk_group", "only applies to grouped_sigmoid_bias, grouped_softmax, got ",
                  topk_group);
   }
   check_finite(scaling, op, "scaling");
-  MOELAB_CHECK(biased || scaling == 1.0, op, "scaling",
-               "only applies to sigmoid_bias, grouped_sigmoid_bias; must be 1.0, got ", scaling);
-  MOELAB_CHECK(!renormalize || m == kSoftmaxTopk || m == kTopkSoftmax || m == kSigmoidTopk, op, "renormalize",
-               "only applies to softmax_topk, topk_softmax, sigmoid_topk");
+  const bool renorm = renormalize.has_value() ? *renormalize : biased;
+  MOELAB_CHECK(!renorm || m != kLlama4, op, "renormalize",
+               "does not apply to method 'llama4' (a single weight to normalize)");
+  const bool has_eps = m == kSigmoidTopk || m == kSigmoidBias || m == kGroupedSigmoidBias || m == kSoftmaxBias;
+  double eps = !has_eps ? 0.0 : m == kSoftmaxBias ? 1e-12 : 1e-20;
+  if (norm_eps.has_value()) {
+    MOELAB_CHECK(has_eps, op, "norm_eps", "only applies to sigmoid_topk, sigmoid_bias, grouped_sigmoid_bias, "
+                 "softmax_bias; method '", method, "' divides by the plain sum");
+    check_finite(*norm_eps, op, "norm_eps");
+    MOELAB_CHECK(*norm_eps >= 0.0, op, "norm_eps", "must be >= 0, got ", *norm_eps);
+    eps = *norm_eps;
+  }
   check_numel({T, top_k}, 4, op, "logits");
-  return {T, E, m, biased};
+  return {T, E, m, biased, renorm, eps};
 }
 
 // ----------------------------------------------------------------------- router_gemm

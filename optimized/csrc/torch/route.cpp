@@ -1,12 +1,17 @@
 // torch.ops.moelab.route: binding of the CPU top-k routing kernel (csrc/cpu/route_kernel.h).
 //
 // Schema: route(Tensor logits, int top_k, str method, Tensor? bias=None, float scaling=1.0,
-//               bool renormalize=False, int n_group=1, int topk_group=1)
+//               bool? renormalize=None, int n_group=1, int topk_group=1, float? norm_eps=None)
 //           -> (Tensor weights, Tensor ids)
-// method is the SPEC name ("softmax_topk", ..., "llama4"). The arguments are those of
-// optimized.route in the order that lets common calls leave the rest at their defaults. Every constraint the kernel
-// relies on, and every contract limit, is re-checked here with TORCH_CHECK, so a direct
-// call with hostile arguments raises RuntimeError instead of reading out of bounds.
+// method is the SPEC name ("softmax_topk", ..., "llama4", "grouped_softmax", "softmax_bias").
+// The arguments are those of optimized.route in the order that lets common calls leave the
+// rest at their defaults (norm_eps, added by SPEC 6, last so older positional calls keep
+// their meaning). renormalize and norm_eps left unset (None) mean the method's default,
+// resolved in checks::check_route_args exactly as reference.validate.check_route does, so a
+// direct call that never passed renormalize keeps its old meaning (the biased methods
+// normalize). Every constraint the kernel relies on, and every contract limit, is re-checked
+// here with TORCH_CHECK, so a direct call with hostile arguments raises RuntimeError instead
+// of reading out of bounds.
 #include <cmath>
 #include <cstring>
 
@@ -24,7 +29,8 @@ static_assert(cpu::kRouteMaxExperts == checks::kRouteMaxExperts && cpu::kRouteMa
               "the kernel's limits are the contract's (csrc/torch/checks.h)");
 static_assert(int(cpu::kSoftmaxTopk) == checks::kSoftmaxTopk && int(cpu::kTopkSoftmax) == checks::kTopkSoftmax &&
                   int(cpu::kSigmoidTopk) == checks::kSigmoidTopk && int(cpu::kSigmoidBias) == checks::kSigmoidBias &&
-                  int(cpu::kGroupedSigmoidBias) == checks::kGroupedSigmoidBias && int(cpu::kLlama4) == checks::kLlama4,
+                  int(cpu::kGroupedSigmoidBias) == checks::kGroupedSigmoidBias && int(cpu::kLlama4) == checks::kLlama4 &&
+                  int(cpu::kGroupedSoftmax) == checks::kGroupedSoftmax && int(cpu::kSoftmaxBias) == checks::kSoftmaxBias,
               "method codes");
 
 // Tokens per parallel task: ~16K expert keys (~8 us), so the thread pool's fork/join is
@@ -37,12 +43,14 @@ int64_t grain_tokens(int64_t E) {
 std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_t top_k,
                                              const std::string& method,
                                              const std::optional<at::Tensor>& bias_in, double scaling,
-                                             bool renormalize, int64_t n_group, int64_t topk_group) {
+                                             std::optional<bool> renormalize, int64_t n_group,
+                                             int64_t topk_group, std::optional<double> norm_eps) {
   check_is_cpu(logits_in, kOp, "logits");
   if (bias_in.has_value()) check_is_cpu(*bias_in, kOp, "bias");
   // Every check comes before the copies below (a stride-0 expanded tensor may have any size).
   const checks::RouteSizes r =
-      checks::check_route_args(kOp, logits_in, top_k, method, bias_in, scaling, renormalize, n_group, topk_group);
+      checks::check_route_args(kOp, logits_in, top_k, method, bias_in, scaling, renormalize, n_group, topk_group,
+                               norm_eps);
   const int64_t T = r.T, E = r.E;
   const int m = r.method;
   const bool biased = r.biased;
@@ -70,7 +78,8 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
   p.n_group = int(n_group);
   p.topk_group = int(topk_group);
   p.scaling = float(scaling);
-  p.renormalize = renormalize;
+  p.renormalize = r.renormalize;
+  p.norm_eps = float(r.norm_eps);   // the reference's f32 operations round eps to f32 too
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
   auto* fn = MOELAB_PICK(route_tokens);
@@ -89,6 +98,7 @@ const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512);
 
 TORCH_LIBRARY_FRAGMENT(moelab, m) {
   m.def("route(Tensor logits, int top_k, str method, Tensor? bias=None, float scaling=1.0, "
-        "bool renormalize=False, int n_group=1, int topk_group=1) -> (Tensor weights, Tensor ids)");
+        "bool? renormalize=None, int n_group=1, int topk_group=1, float? norm_eps=None) "
+        "-> (Tensor weights, Tensor ids)");
 }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) { m.impl("route", &moelab::route_cpu); }

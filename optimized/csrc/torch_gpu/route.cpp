@@ -9,14 +9,17 @@ namespace moelab::gpu_binding {
 namespace {
 constexpr const char* kOp = "route";
 
-// Argument order of the schema (csrc/torch/route.cpp): bias, scaling, renormalize, n_group, topk_group.
+// Argument order of the schema (csrc/torch/route.cpp): bias, scaling, renormalize, n_group, topk_group,
+// norm_eps. renormalize and norm_eps unset: the method's defaults (resolved in checks.h).
 std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t top_k, const std::string& method,
-                                              const std::optional<at::Tensor>& bias, double scaling, bool renormalize,
-                                              int64_t n_group, int64_t topk_group) {
+                                              const std::optional<at::Tensor>& bias, double scaling,
+                                              std::optional<bool> renormalize, int64_t n_group, int64_t topk_group,
+                                              std::optional<double> norm_eps) {
   check_is_gpu(logits, kOp, "logits");
   if (bias.has_value()) check_is_gpu(*bias, kOp, "bias", &logits);
   const checks::RouteSizes r =
-      checks::check_route_args(kOp, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group);
+      checks::check_route_args(kOp, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group,
+                               norm_eps);
   const int64_t T = r.T, E = r.E;
   const int m = r.method;
   const bool biased = r.biased;
@@ -42,7 +45,8 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t 
   a.n_group = int(n_group);
   a.topk_group = int(topk_group);
   a.scaling = float(scaling);
-  a.renormalize = renormalize;
+  a.renormalize = r.renormalize;
+  a.norm_eps = float(r.norm_eps);
   a.weights = weights.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
   check_launch(gpu::route_launch(a, current_stream()), kOp);

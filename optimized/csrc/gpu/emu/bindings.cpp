@@ -21,7 +21,7 @@ at::Tensor poison(at::IntArrayRef shape, at::ScalarType dt) {
 }
 
 py::tuple route(const at::Tensor& logits, int64_t K, int64_t method, const std::optional<at::Tensor>& bias,
-                int64_t n_group, int64_t topk_group, double scaling, bool renormalize) {
+                int64_t n_group, int64_t topk_group, double scaling, bool renormalize, double norm_eps) {
   const int64_t T = logits.size(0), E = logits.size(1);
   at::Tensor w = poison({T, K}, at::kFloat), ids = poison({T, K}, at::kInt);
   gpu::RouteArgs a;
@@ -37,7 +37,8 @@ py::tuple route(const at::Tensor& logits, int64_t K, int64_t method, const std::
   a.n_group = int(n_group);
   a.topk_group = int(topk_group);
   a.scaling = float(scaling);
-  a.renormalize = renormalize;
+  a.renormalize = renormalize;   // resolved by the caller, as the torch binding resolves it
+  a.norm_eps = float(norm_eps);
   a.weights = w.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
   const int st = gpu::route_launch(a, nullptr);
