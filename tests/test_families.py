@@ -64,15 +64,8 @@ C_BF16 = 1.0
 # gets renormalized weights from the optimized route until route-amend lands.
 _RAISES = (RuntimeError, TypeError, ValueError, NotImplementedError)
 _OPT_PENDING = {
-    "lfm2_moe": ("optimized route's norm_eps lands with branch route-amend", _RAISES),
-    "deepseek_v2_group_limited": ("optimized route's grouped_softmax (and scaling on it) lands with branch "
-                                  "route-amend", _RAISES),
-    "ernie4_5_moe": ("optimized route's softmax_bias lands with branch route-amend", _RAISES),
-    "cohere2_moe": ("optimized route's scaling on topk_softmax lands with branch route-amend", _RAISES),
     "llama4": ("optimized fused_experts' apply_router_weight_on_input lands with branch fe-input-weight",
                _RAISES),
-    "deepseek_v3_no_norm": ("optimized route ignores renormalize=False on biased methods (SPEC 6: 'today an "
-                            "explicit False is accepted and ignored'); lands with branch route-amend", AssertionError),
 }
 
 

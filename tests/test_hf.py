@@ -28,6 +28,7 @@ EXTRA = {
     "deepseek_v3": dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, kv_lora_rank=16, q_lora_rank=None,
                         head_dim=8),
     "lfm2_moe": dict(layer_types=["full_attention", "full_attention"]),
+    "ernie4_5_moe": dict(moe_layer_start_index=0),
 }
 # Shared gate (Qwen2-MoE), groups + shared experts (DeepSeek-V3), router and expert biases and a
 # tuple-returning block (GPT-OSS), the weight on the input (Llama 4), softmax + bias (Ernie 4.5),
