@@ -495,38 +495,6 @@ inline bool tile_needs_slow_fast(int q, const uint8_t* w, int64_t ng, int64_t K,
   return fe::tile_needs_slow(q, w, ng, K, tile, fp8_scale, mx_scales);
 }
 
-// bf16(x * ws) of two bf16 values (given widened to f32), rounded once from the exact
-// product. The product has at most 16 significant bits, so the f32 product is exact unless it
-// falls below 2^-126, where f32's subnormals would round it first (a double rounding); there
-// the exact product (in double) is rounded on bf16's subnormal grid, 2^-133, directly.
-inline uint16_t mul_bf16_exact(float x, float ws) {
-  const float p = x * ws;
-  const float a = p < 0.0f ? -p : p;
-  if (a < 0x1p-126f && a != 0.0f) {
-    const double d = double(x) * double(ws);
-    return f32_to_bf16(float(std::nearbyint(d * 0x1p133) * 0x1p-133));
-  }
-  return f32_to_bf16(p);
-}
-
-// Lanes [0, n) of v with 0 < |v| < 2^-126 (a product that f32 may have rounded).
-inline bool any_subnormal(vf v, int n) {
-#if MOELAB_ISA_LEVEL >= 2
-  const __m512 a = _mm512_abs_ps(v.v);
-  const __mmask16 m = _mm512_cmp_ps_mask(a, _mm512_set1_ps(0x1p-126f), _CMP_LT_OQ) &
-                      _mm512_cmp_ps_mask(a, _mm512_setzero_ps(), _CMP_NEQ_OQ) & tail_mask(n);
-  return m != 0;
-#elif MOELAB_ISA_LEVEL == 1
-  const __m256 a = _mm256_and_ps(v.v, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)));
-  const int m = _mm256_movemask_ps(_mm256_and_ps(_mm256_cmp_ps(a, _mm256_set1_ps(0x1p-126f), _CMP_LT_OQ),
-                                                 _mm256_cmp_ps(a, _mm256_setzero_ps(), _CMP_NEQ_OQ)));
-  return (m & ((1 << n) - 1)) != 0;
-#else
-  const float a = v.v < 0.0f ? -v.v : v.v;
-  return n > 0 && a < 0x1p-126f && a != 0.0f;
-#endif
-}
-
 }  // namespace
 
 void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratch) {
@@ -624,9 +592,12 @@ void fused_experts_act(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda,
   }
 }
 
-// apply_router_weight_on_input: GEMM1's rows are gathered scaled. One multiply per element
-// (exact in f32 for bf16 operands, see mul_bf16_exact) and one RNE rounding; the rare chunk
-// with a product below 2^-126 is redone element by element from the exact product.
+// apply_router_weight_on_input: GEMM1's rows are gathered scaled, one f32 multiply and one
+// RNE rounding per element. That is the single rounding of the exact product: two bf16
+// significands (8 bits each) multiply to at most 16 bits, so an f32 product of at least
+// 2^-134 in magnitude is exact (its last bit is >= 2^-149, even for bf16 subnormal factors);
+// a smaller one rounds to +-0 in bf16 whether or not f32 rounded it first (exact ties at
+// 2^-134 stay ties). Checked against the f64 rounding over millions of pairs in that range.
 void fused_experts_gather_weighted(const uint16_t* x, int64_t ldx, const float* w, int64_t ldw_t, int64_t ldw_k,
                                    const int32_t* src_row, int64_t K, int64_t H, uint16_t* xg, int64_t ldg,
                                    int64_t p0, int64_t p1) {
@@ -638,10 +609,7 @@ void fused_experts_gather_weighted(const uint16_t* x, int64_t ldx, const float* 
     uint16_t* gr = xg + p * ldg;
     for (int64_t i = 0; i < H; i += kVecF) {
       const int n = int(imin_(kVecF, H - i));
-      const vf v = vmul(vload_bf16(xr + i, n), wv);
-      vstore_bf16(gr + i, v, n);
-      if (any_subnormal(v, n))
-        for (int q = 0; q < n; ++q) gr[i + q] = mul_bf16_exact(bf16_to_f32(xr[i + q]), ws);
+      vstore_bf16(gr + i, vmul(vload_bf16(xr + i, n), wv), n);
     }
     for (int64_t i = H; i < ldg; ++i) gr[i] = 0;
   }

@@ -588,19 +588,10 @@ fe_act(const uint16_t* __restrict__ h, int64_t ldh, uint16_t* __restrict__ a, in
 }
 
 // ------------------------------------------------------------- weighted input (SPEC 6)
-// bf16(x * ws) of two bf16 values widened to f32, rounded once from the exact product: it has
-// at most 16 significant bits, so the f32 product is exact unless it falls below 2^-126
-// (f32's subnormals would round it first); there the exact product (in double) is rounded on
-// bf16's subnormal grid, 2^-133, directly. The CPU's mul_bf16_exact, bit for bit.
-MOELAB_DEV uint16_t weighted_input(float x, float ws) {
-  const float p = mul_rn(x, ws);
-  const float a = p < 0.0f ? -p : p;
-  if (a < 0x1p-126f && a != 0.0f) {
-    const double d = double(x) * double(ws);
-    return f32_bf16(float(rint(d * 0x1p133) * 0x1p-133));
-  }
-  return f32_bf16(p);
-}
+// bf16(x * ws) of two bf16 values widened to f32: one f32 multiply and one RNE rounding, which
+// is the single rounding of the exact product (at most 16 significant bits: exact in f32 down to
+// 2^-134; below that bf16 gives +-0 either way). The CPU's gather, bit for bit.
+MOELAB_DEV uint16_t weighted_input(float x, float ws) { return f32_bf16(mul_rn(x, ws)); }
 
 // GEMM1's input rows for apply_router_weight_on_input: xg[p, k] = bf16(x[t, k] * bf16(w[t, j]))
 // for the routed rows p < offsets[E], slot r = src_row[p] = t*K + j; columns [H, ldg) zeroed.
