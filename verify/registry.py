@@ -1007,7 +1007,9 @@ def _draw_experts_common(p: Picker, dist: str, max_e=64):
     E = p("E", st.sampled_from(tuple(e for e in (1, 2, 3, 4, 6, 8, 16, 32, 64) if e <= max_e)))
     return {"quant": quant, "H": H, "I": I, "E": E, "big": big,
             "activation": p("activation", st.sampled_from(ACTIVATIONS)),
-            "dispatch": p("dispatch", st.sampled_from(DISPATCHES))}
+            "dispatch": p("dispatch", st.sampled_from(DISPATCHES)),
+            # SPEC 6: the router weight scales the expert input (Llama 4), a third of the cases
+            "on_input": bool(p("on_input", st.sampled_from((False, False, True))))}
 
 
 def _draw_fused_experts(draw, dist, fixed):
@@ -1072,13 +1074,18 @@ def _make_fused_experts(s):
     T, K = s["T"], s["K"]
     r = D.make_routing(s["dist"], T, s["E_global"], K, s["seed"], D.dist_params(s["dist"], s["dchoice"]) |
                        ({"n_local": s["E"]} if s["dist"] == "ep_shard" else {}))
-    w_route, ids = ref_route(r.logits, K, "softmax_topk", renormalize=True)
+    if s.get("on_input"):   # Llama 4's routing: sigmoid weights, not renormalized (not all 1.0 at K = 1)
+        w_route, ids = ref_route(r.logits, K, "sigmoid_topk", renormalize=False)
+    else:
+        w_route, ids = ref_route(r.logits, K, "softmax_topk", renormalize=True)
     ids = r.local_ids if s["dist"] == "ep_shard" else ids
     g = D.generator(s["seed"] + 3)
     x = _expert_x(s, g, T, s["H"])
     w13, w2, kw = make_expert_weights(s, g, s["E"])
     kw.update(topk_weights=w_route.contiguous(), topk_ids=ids.to(torch.int32).contiguous(), quant=s["quant"],
               activation=s["activation"], dispatch=s["dispatch"])
+    if s.get("on_input"):
+        kw["apply_router_weight_on_input"] = True
     return Case("fused_experts", s, (x, w13, w2), kw)
 
 
@@ -1236,6 +1243,8 @@ def _make_moe(s):
     kw.update(top_k=K, method=s["method"], n_group=s["n_group"], topk_group=s["topk_group"],
               scaling=s["scaling"], renormalize=s["renormalize"], quant=s["quant"],
               activation=s["activation"], dispatch=s["dispatch"])
+    if s.get("on_input"):
+        kw["apply_router_weight_on_input"] = True
     return Case("moe_forward", s, (xb, W, w13, w2), kw)
 
 
@@ -1252,7 +1261,8 @@ def _moe_opt(ops):
 
 
 _ROUTE_KW = ("bias", "n_group", "topk_group", "scaling", "renormalize")
-_FUSED_KW = ("quant", "w13_scale", "w2_scale", "w13_bias", "w2_bias", "activation", "alpha", "limit", "dispatch")
+_FUSED_KW = ("quant", "w13_scale", "w2_scale", "w13_bias", "w2_bias", "activation", "alpha", "limit", "dispatch",
+             "apply_router_weight_on_input")
 
 
 def _moe_parts(case: Case):
