@@ -1139,8 +1139,13 @@ def _fused_errors(seed):
     bad[0, 0] = 3
     params = {"x": x, "w13": w13, "w2": w2, "topk_weights": tw, "topk_ids": ti, "quant": "fp8_block",
               "w13_scale": kw["w13_scale"], "w2_scale": kw["w2_scale"], "w13_bias": None, "w2_bias": None,
-              "activation": "silu", "alpha": 1.702, "limit": 7.0, "dispatch": "auto"}
+              "activation": "silu", "alpha": 1.702, "limit": 7.0, "dispatch": "auto",
+              "apply_router_weight_on_input": False}
     explicit = [
+        ("apply_router_weight_on_input not a bool", {"apply_router_weight_on_input": 1},
+         ("apply_router_weight_on_input",)),
+        ("apply_router_weight_on_input a string", {"apply_router_weight_on_input": "True"},
+         ("apply_router_weight_on_input",)),
         ("unknown quant", {"quant": "int4"}, ("quant",)),
         ("unknown activation", {"activation": "gelu"}, ("activation",)),
         ("unknown dispatch", {"dispatch": "fastest"}, ("dispatch",)),
