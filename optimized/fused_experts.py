@@ -15,6 +15,11 @@ Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked V
 layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
 standard-layout weights need.
 
+apply_router_weight_on_input=True (SPEC 6, Llama 4) is done inside the kernels: the row gather
+writes bf16(x[t] * bf16(w[t, j])) for slot j (exact: one f32 product of two bf16 values, one
+rounding) and the combine sums the expert outputs unweighted; the rest of the pipeline is
+unchanged, so every policy, ISA level and weight layout stays bit-identical and batch invariant.
+
 CUDA/ROCm tensors run csrc/gpu/fused_experts.cu (docs/gpu.md): the standard layout only
 (prepacked weights are CPU-only), a small-m path or a tiled (tensor-core on CUDA) path per
 expert block, chosen by optimized.dispatch's GPU policy; batch-invariant mode keeps every

@@ -16,6 +16,9 @@
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
 // any thread count: the kernel is batch invariant.
+// apply_router_weight_on_input (SPEC 6) only changes what GEMM1 reads: the binding gathers
+// the rows with fused_experts_gather_weighted (bf16(x * bf16(w)), below) and sums the combine
+// unweighted; the passes here are the same for both.
 //
 // Decoders (fast paths at avx512 levels; the exact scalar decoder at avx2/scalar and for
 // tiles flagged by fe::tile_needs_slow):
