@@ -3,10 +3,12 @@
 // fused_experts runs the pipeline of docs/fused_experts.md: group rows (permute_plan), gather
 // x rows (permute_rows; with apply_router_weight_on_input, fused_experts_gather_weighted:
 // bf16(x[t] * bf16(w[t, j])) per row), GEMM1 items, activation rows, GEMM2 items, combine
-// (unpermute_tokens in f32, weighted or, with the flag, unweighted; then one bf16 rounding). Every pass is an at::parallel_for over
-// independent outputs, so the result does not depend on the thread count. Everything a
-// kernel relies on is re-checked here, so a direct torch.ops.moelab call with hostile
-// arguments raises RuntimeError instead of reading or writing out of bounds.
+// (unpermute_tokens in f32, weighted, or unweighted with the flag; then one bf16 rounding).
+// Every pass is an at::parallel_for over independent outputs, so the result does not depend
+// on the thread count. Everything a kernel relies on is re-checked here, so a direct
+// torch.ops.moelab call with hostile arguments raises RuntimeError instead of reading or
+// writing out of bounds. (apply_router_weight_on_input is a schema bool: a value the dispatcher
+// cannot read as one is refused there, naming the op and the argument.)
 #include <cmath>
 #include <memory>
 #include <string>
