@@ -15,6 +15,11 @@ Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked V
 layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
 standard-layout weights need.
 
+apply_router_weight_on_input=True (SPEC 6, Llama 4) is done inside the kernels: the row gather
+writes bf16(x[t] * bf16(w[t, j])) for slot j (exact: one f32 product of two bf16 values, one
+rounding) and the combine sums the expert outputs unweighted; the rest of the pipeline is
+unchanged, so every policy, ISA level and weight layout stays bit-identical and batch invariant.
+
 CUDA/ROCm tensors run csrc/gpu/fused_experts.cu (docs/gpu.md): the standard layout only
 (prepacked weights are CPU-only), a small-m path or a tiled (tensor-core on CUDA) path per
 expert block, chosen by optimized.dispatch's GPU policy; batch-invariant mode keeps every
@@ -66,7 +71,8 @@ class PackedMoEWeights:
 
 @torch.library.register_fake("moelab::fused_experts")
 def _fused_experts_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I, w13_scale, w2_scale,
-                        w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross):
+                        w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross,
+                        apply_router_weight_on_input=False):
     _fake.check("fused_experts", ("x", x, 2), ("w13", w13, None), ("w2", w2, None),
                 ("topk_weights", topk_weights, 2), ("topk_ids", topk_ids, 2), ("w13_scale", w13_scale, None),
                 ("w2_scale", w2_scale, None), ("w13_slow", w13_slow, None), ("w2_slow", w2_slow, None),
@@ -118,9 +124,11 @@ def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
 
 
 def _check_packed(x, w13: PackedMoEWeights, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                  w13_bias, w2_bias, activation, alpha, limit, dispatch):
+                  w13_bias, w2_bias, activation, alpha, limit, dispatch, apply_router_weight_on_input):
     """check_fused_experts' rules for a call with prepacked weights."""
     op = "fused_experts"
+    if not isinstance(apply_router_weight_on_input, bool):
+        fail(op, "apply_router_weight_on_input", f"must be a bool, got {type(apply_router_weight_on_input).__name__}")
     check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16,))
     T, H = x.shape
     check_choice(op, "quant", quant, QUANT_FORMATS)
@@ -155,8 +163,15 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
                   quant: str, w13_scale: Optional[torch.Tensor] = None,
                   w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
                   w2_bias: Optional[torch.Tensor] = None, activation: str = "silu", alpha: float = 1.702,
-                  limit: float = 7.0, dispatch: str = "auto") -> torch.Tensor:
+                  limit: float = 7.0, dispatch: str = "auto",
+                  apply_router_weight_on_input: bool = False) -> torch.Tensor:
     """Same contract as reference.fused_experts (SPEC 5); w13 may be a PackedMoEWeights.
+
+    apply_router_weight_on_input (SPEC 6; vLLM's parameter, Llama 4): slot j's expert input is
+    bf16(x[t] * bf16(topk_weights[t, j])) and out[t] = bf16(sum_j y_j), unweighted. The
+    kernels apply it themselves (CPU: in the row gather and the combine; GPU: a weighted
+    gather pass and the combine), for every format, policy, ISA level and weight layout;
+    the default False takes exactly the path (and bits) it always did.
 
     Returns [T, H] bf16. Raises ValueError (message 'fused_experts: argument <name> ...')
     like the reference, plus for a PackedMoEWeights that does not match quant / H / E.
@@ -165,20 +180,23 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
     packed = isinstance(w13, PackedMoEWeights)
     if packed:
         E, I = _check_packed(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                             w13_bias, w2_bias, activation, alpha, limit, dispatch)
+                             w13_bias, w2_bias, activation, alpha, limit, dispatch,
+                             apply_router_weight_on_input)
         pw = w13
         args = (pw.w13, pw.w2)
         w13_scale, w2_scale, slow13, slow2 = pw.w13_scale, pw.w2_scale, pw.w13_slow, pw.w2_slow
     else:
         E, I = check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                                   w13_bias, w2_bias, activation, alpha, limit, dispatch)
+                                   w13_bias, w2_bias, activation, alpha, limit, dispatch,
+                                   apply_router_weight_on_input)
         if x.device.type not in ("cpu", "cuda"):
             fail("fused_experts", "x", f"must be a CPU or CUDA/ROCm tensor (no moelab kernel for {x.device.type})")
         if x.device.type == "cuda" and not gpu.available():   # no GPU extension: the reference
             from reference.fused_experts import fused_experts as reference_fused_experts
             return reference_fused_experts(x, w13, w2, topk_weights, topk_ids, quant=quant, w13_scale=w13_scale,
                                            w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias,
-                                           activation=activation, alpha=alpha, limit=limit, dispatch=dispatch)
+                                           activation=activation, alpha=alpha, limit=limit, dispatch=dispatch,
+                                           apply_router_weight_on_input=apply_router_weight_on_input)
         args = (w13, w2)
         slow13 = slow2 = None
     T, K = topk_ids.shape
@@ -188,4 +206,5 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
         x = x.contiguous()
     return torch.ops.moelab.fused_experts(x, args[0], args[1], topk_weights, topk_ids, quant, packed, E, I,
                                           w13_scale, w2_scale, slow13, slow2, w13_bias, w2_bias,
-                                          activation, float(alpha), float(limit), code, m_cross)
+                                          activation, float(alpha), float(limit), code, m_cross,
+                                          apply_router_weight_on_input)

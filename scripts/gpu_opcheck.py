@@ -279,7 +279,8 @@ def _fe_gpu(x, w13, w2, tw, ids, kw, policy):
     d = lambda t: None if t is None else t.to(DEV)  # noqa: E731
     args = (x.to(DEV), w13.to(DEV), w2.to(DEV), tw.to(DEV), ids.to(DEV), kw["quant"], False, E, I,
             d(kw.get("w13_scale")), d(kw.get("w2_scale")), None, None, d(kw.get("w13_bias")), d(kw.get("w2_bias")),
-            kw["activation"], float(kw.get("alpha", 1.702)), float(kw.get("limit", 7.0)), code, m_cross)
+            kw["activation"], float(kw.get("alpha", 1.702)), float(kw.get("limit", 7.0)), code, m_cross,
+            bool(kw.get("apply_router_weight_on_input", False)))
     return args
 
 
@@ -318,10 +319,17 @@ def check_fused_experts():
     bits = lambda t: t.view(torch.int16)  # noqa: E731
     cases = [("bf16", "silu", 8, 256, 128, 5, 2), ("fp8_block", "silu", 8, 384, 192, 40, 4),
              ("fp8_block", "swiglu_oai", 6, 200, 72, 9, 2), ("mxfp4", "swiglu_oai", 8, 256, 128, 40, 4),
-             ("mxfp4", "silu", 4, 128, 64, 1, 2), ("bf16", "swiglu_oai", 4, 130, 50, 70, 2)]
-    for i, (quant, act, E, H, I, T, K) in enumerate(cases):
+             ("mxfp4", "silu", 4, 128, 64, 1, 2), ("bf16", "swiglu_oai", 4, 130, 50, 70, 2),
+             # apply_router_weight_on_input (SPEC 6): the weighted gather pass and the unweighted combine
+             ("fp8_block", "silu", 8, 384, 192, 40, 4, True), ("mxfp4", "swiglu_oai", 6, 256, 128, 9, 1, True),
+             ("bf16", "silu", 4, 130, 50, 70, 2, True)]
+    for i, (quant, act, E, H, I, T, K, *on_input) in enumerate(cases):
         x, w13, w2, tw, ids, kw = _fe_case(quant, act, E, H, I, T, K, seed=i)
         case = f"{quant} {act} E={E} H={H} I={I} T={T} K={K}"
+        if on_input:
+            kw["apply_router_weight_on_input"] = True
+            tw = tw * 4 - 1                      # weights off 1, negative, most not bf16 numbers
+            case += " apply_router_weight_on_input"
         if quant != "fp8_block" and i < 4:   # opcheck's schema test compares inputs with allclose,
             # which float8 tensors do not implement; the op itself is the same for every format
             opcheck("fused_experts", case, _fe_gpu(x, w13, w2, tw, ids, kw, "auto"))

@@ -21,6 +21,11 @@ in one output column fails the check).
 
 Bit-identity within a level: tiny, blocked and every policy; a token alone vs in a batch;
 1 vs 2 threads; prepacked vs standard layout.
+
+apply_router_weight_on_input (SPEC 6): the kernel's scaled input bf16(x * bf16(w)) is the
+reference's exactly (one f32 product of two bf16 values, rounded once), so the same bound holds
+with the scaled rows as GEMM1's input and weight 1 in the combine (`allowed_error` reads the
+flag from kw); every test above that matters for it has a flagged twin below.
 """
 from __future__ import annotations
 
@@ -143,6 +148,7 @@ def allowed_error(x, tw, ids, kw, W13k, W2k, W13r, W2r, return_exact=False):
     (bf16-rounded); [E, N, K] float tensors."""
     act, alpha, limit = kw["activation"], kw.get("alpha", 1.702), kw.get("limit", 7.0)
     b13, b2 = kw.get("w13_bias"), kw.get("w2_bias")
+    on_input = kw.get("apply_router_weight_on_input", False)
     T, H = x.shape
     K = ids.shape[1]
     E, two_i, _ = W13r.shape
@@ -157,6 +163,8 @@ def allowed_error(x, tw, ids, kw, W13k, W2k, W13r, W2r, return_exact=False):
         if tok.numel() == 0:
             continue
         xs = x64[tok]
+        if on_input:   # bf16(x * bf16(w)): exact in the kernel too (one rounding of the exact product)
+            xs = round_to_bf16(xs * round_to_bf16(tw[tok, slot].double()).double().unsqueeze(1)).double()
         Wr, Wk = W13r[e].double(), W13k[e].double()
         b = b13[e].double() if b13 is not None else torch.zeros(2 * I, dtype=torch.float64)
         h = xs @ Wr.T + b
@@ -187,7 +195,7 @@ def allowed_error(x, tw, ids, kw, W13k, W2k, W13r, W2r, return_exact=False):
         magy = (a_ref.abs() + Ea) @ W2k_.abs().T + c.abs()
         dy = Ea @ W2k_.abs().T + (gamma(I + 1) + slack) * magy + a_ref.abs() @ (W2k_ - W2r_).abs().T \
             + W2k_.abs().sum(1) * 2.0 ** -120
-        w = tw[tok, slot].double().unsqueeze(1)
+        w = torch.ones(tok.numel(), 1, dtype=torch.float64) if on_input else tw[tok, slot].double().unsqueeze(1)
         o.index_add_(0, tok, w * y)
         d_o.index_add_(0, tok, w.abs() * dy)
         mag_o.index_add_(0, tok, (w * y).abs() + w.abs() * dy)
@@ -307,12 +315,13 @@ def test_odd_sizes(level, quant):
 @settings(max_examples=25, deadline=None)
 @given(quant=st.sampled_from(QUANTS), act=st.sampled_from(ACTS), E=st.integers(1, 8),
        K=st.integers(1, 4), T=st.integers(0, 20), h32=st.integers(1, 4), i32=st.integers(1, 4),
-       seed=st.integers(0, 10_000), hot=st.booleans(), level=st.sampled_from(ISAS))
-def test_property_random(quant, act, E, K, T, h32, i32, seed, hot, level):
+       seed=st.integers(0, 10_000), hot=st.booleans(), level=st.sampled_from(ISAS), on_input=st.booleans())
+def test_property_random(quant, act, E, K, T, h32, i32, seed, hot, level, on_input):
     K = min(K, E)
     H, I = 32 * h32 + (32 if quant != "mxfp4" and seed % 3 == 0 else 0), 32 * i32
     with isa(level):
         x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=seed, hot=hot)
+        kw["apply_router_weight_on_input"] = on_input
         out = run_all_policies(x, w13, w2, tw, ids, kw)
         if T:
             reference_check(x, w13, w2, tw, ids, kw, out)
@@ -377,6 +386,125 @@ def test_threads_and_prepacked_bitwise(level, quant):
             again = optimized.fused_experts(x, pw, pw, tw, ids, **kp)
         assert torch.equal(bits(one), bits(two))
         assert torch.equal(bits(again), bits(two))
+
+
+# ----------------------------------------- apply_router_weight_on_input (SPEC 6)
+def weighted(kw):
+    return dict(kw, apply_router_weight_on_input=True)
+
+
+def spread_weights(tw):
+    """Routing weights in [-1, 3): negative, above 1, and most not bf16 numbers (so the rounding
+    of the weight before the multiply shows)."""
+    return tw * 4 - 1
+
+
+@pytest.mark.parametrize("level", ISAS)
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("act", ACTS)
+def test_weighted_input_matches_reference_all_policies(level, quant, act):
+    """The flag against reference.fused_experts (same derived bound), every policy the same bits,
+    prepacked the same bits as the standard layout, and not the unflagged result."""
+    E, H, I, K = 6, 96, 64, 3
+    with isa(level):
+        for T, hot in ((0, False), (1, False), (7, True), (33, True)):
+            x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=T + 17, hot=hot)
+            tw = spread_weights(tw)
+            out = run_all_policies(x, w13, w2, tw, ids, weighted(kw))
+            assert out.shape == (T, H)
+            if not T:
+                continue
+            reference_check(x, w13, w2, tw, ids, weighted(kw), out)
+            assert not torch.equal(bits(out), bits(optimized.fused_experts(x, w13, w2, tw, ids, **kw)))
+            pw = optimized.prepack_moe_weights(w13, w2, quant, kw["w13_scale"], kw["w2_scale"])
+            kp = {k: v for k, v in weighted(kw).items() if k not in ("w13_scale", "w2_scale")}
+            for p in ("tiny", "blocked", "auto"):
+                assert torch.equal(bits(optimized.fused_experts(x, pw, None, tw, ids, dispatch=p, **kp)), bits(out)), p
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx2", "avx512_bf16"])
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
+def test_weighted_input_odd_sizes_and_strides(level, quant):
+    """Odd H (the zero pad of the gathered rows), N off the tiles; strided x / weights / ids give
+    the contiguous bits."""
+    with isa(level):
+        for E, H, I in ((2, 37, 21), (3, 131, 50)):
+            x, w13, w2, tw, ids, kw = make_case(quant, "swiglu_oai", E, H, I, 6, 2, seed=H)
+            tw = spread_weights(tw)
+            out = run_all_policies(x, w13, w2, tw, ids, weighted(kw))
+            reference_check(x, w13, w2, tw, ids, weighted(kw), out)
+            xs = torch.zeros(6, 2 * H, dtype=torch.bfloat16)[:, ::2]
+            xs.copy_(x)
+            ws = torch.zeros(2, 6).T
+            ws.copy_(tw)
+            ids_t = torch.zeros(2, 6, dtype=torch.int32).T
+            ids_t.copy_(ids)
+            assert torch.equal(bits(optimized.fused_experts(xs, w13, w2, ws, ids_t, **weighted(kw))), bits(out))
+
+
+@pytest.mark.parametrize("level", ["scalar", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("quant", QUANTS)
+def test_weighted_input_k1_and_equal_weights_are_unflagged_on_scaled_x(level, quant):
+    """K = 1, or one weight per token for all its slots: the flag gives the plain call on
+    x' = bf16(x * bf16(w)) with weights 1, bit for bit (the kernel's gathered rows are x'); with
+    weights exactly 1 the flag changes nothing."""
+    with isa(level):
+        for K in (1, 3):
+            x, w13, w2, tw, ids, kw = make_case(quant, "silu", 5, 64, 64, 9, K, seed=K + 50, hot=True)
+            c = spread_weights(tw[:, :1])
+            xw = (x.double() * c.bfloat16().double()).bfloat16()
+            got = optimized.fused_experts(x, w13, w2, c.expand(9, K).contiguous(), ids, **weighted(kw))
+            want = optimized.fused_experts(xw, w13, w2, torch.ones(9, K), ids, **kw)
+            assert torch.equal(bits(got), bits(want)) and got.abs().sum() > 0
+            ones = torch.ones(9, K)
+            assert torch.equal(bits(optimized.fused_experts(x, w13, w2, ones, ids, **weighted(kw))),
+                               bits(optimized.fused_experts(x, w13, w2, ones, ids, **kw)))
+
+
+@pytest.mark.parametrize("level", ISAS)
+@pytest.mark.parametrize("quant", QUANTS)
+def test_weighted_input_batch_invariance(level, quant):
+    """With the flag a token's output is the same bits alone, in its batch or shuffled, under
+    every policy, at 1 and 2 threads, standard or prepacked."""
+    x, w13, w2, tw, ids, kw = make_case(quant, "swiglu_oai", 4, 64, 64, 24, 2, seed=12, hot=True)
+    tw = spread_weights(tw)
+    kw = weighted(kw)
+    pw = optimized.prepack_moe_weights(w13, w2, quant, kw["w13_scale"], kw["w2_scale"])
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    with isa(level):
+        with threads(1):
+            ref1 = optimized.fused_experts(x, w13, w2, tw, ids, dispatch="tiny", **kw)
+        for p in ("auto", "global", "tiny", "blocked"):
+            full = optimized.fused_experts(x, w13, w2, tw, ids, dispatch=p, **kw)
+            assert torch.equal(bits(full), bits(ref1)), p
+            for t in (0, 5, 23):
+                one = optimized.fused_experts(x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], dispatch=p, **kw)
+                assert torch.equal(bits(one[0]), bits(full[t])), (p, t)
+                one_p = optimized.fused_experts(x[t:t + 1], pw, None, tw[t:t + 1], ids[t:t + 1], dispatch=p, **kp)
+                assert torch.equal(bits(one_p[0]), bits(full[t])), (p, t, "prepacked")
+            perm = torch.randperm(24, generator=torch.Generator().manual_seed(3))
+            shuffled = optimized.fused_experts(x[perm], w13, w2, tw[perm], ids[perm], dispatch=p, **kw)
+            assert torch.equal(bits(shuffled), bits(full[perm])), p
+
+
+def test_weighted_input_empty_dropped_and_bad_type():
+    x, w13, w2, tw, ids, kw = make_case("fp8_block", "silu", 3, 64, 32, 4, 2, seed=2)
+    kw = weighted(kw)
+    assert optimized.fused_experts(x[:0], w13, w2, tw[:0], ids[:0], **kw).shape == (0, 64)
+    none = torch.full_like(ids, -1)
+    assert torch.equal(optimized.fused_experts(x, w13, w2, tw, none, **kw), torch.zeros(4, 64, dtype=torch.bfloat16))
+    ids2 = ids.clone()
+    ids2[1] = -1
+    out = optimized.fused_experts(x, w13, w2, tw, ids2, **kw)
+    assert torch.equal(out[1], torch.zeros(64, dtype=torch.bfloat16))
+    reference_check(x, w13, w2, tw, ids2, kw, out)
+    pw = optimized.prepack_moe_weights(w13, w2, "fp8_block", kw["w13_scale"], kw["w2_scale"])
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    for v in (1, None, "True", torch.tensor(True)):
+        with pytest.raises(ValueError, match="^fused_experts: argument 'apply_router_weight_on_input'"):
+            optimized.fused_experts(x, w13, w2, tw, ids, **dict(kw, apply_router_weight_on_input=v))
+        with pytest.raises(ValueError, match="^fused_experts: argument 'apply_router_weight_on_input'"):
+            optimized.fused_experts(x, pw, None, tw, ids, **dict(kp, apply_router_weight_on_input=v))
 
 
 # -------------------------------------------------------------------- edge cases
@@ -542,6 +670,7 @@ def _hostile():
         ("mxfp4 I not multiple of 32", call({8: 16}, quant="mxfp4")),
         ("E = 0", call({7: 0})),
         ("non-contiguous weight", call({1: lambda a: a[1].transpose(1, 2)})),
+        ("flag not a bool", lambda: op(*_direct_args(), apply_router_weight_on_input="yes")),
     ]
 
 
@@ -568,6 +697,7 @@ def test_opcheck():
     # packed (uint8) weights, and its standard-layout / prepack calls without that one test.
     for quant, packed in (("fp8_block", True), ("mxfp4", False), ("mxfp4", True), ("bf16", False)):
         torch.library.opcheck(torch.ops.moelab.fused_experts.default, tuple(_direct_args(quant, packed)))
+        torch.library.opcheck(torch.ops.moelab.fused_experts.default, tuple(_direct_args(quant, packed)) + (True,))
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.moelab.fused_experts.default, tuple(_direct_args("fp8_block", False)),
                           test_utils=no_schema)

@@ -45,8 +45,9 @@ def dot(a, b, bias=0.0) -> float:
 
 
 def oracle(x, W13, W2, topk_weights, topk_ids, b13=None, b2=None, activation="silu",
-           alpha=1.702, limit=7.0):
-    """Per token, per slot, on Python floats. W13/W2: f32 dequantized weights as tensors."""
+           alpha=1.702, limit=7.0, on_input=False):
+    """Per token, per slot, on Python floats. W13/W2: f32 dequantized weights as tensors.
+    on_input (apply_router_weight_on_input): slot j's input is bf16(x * bf16(w_j)), out unweighted."""
     T, H = x.shape
     E, two_i, _ = W13.shape
     I = two_i // 2
@@ -60,7 +61,8 @@ def oracle(x, W13, W2, topk_weights, topk_ids, b13=None, b2=None, activation="si
         for j, e in enumerate(ids[t]):
             if e < 0:
                 continue
-            h = [bf16(dot(xs[t], w13s[e][n], b13s[e][n])) for n in range(two_i)]
+            xin = [bf16(v * bf16(tw[t][j])) for v in xs[t]] if on_input else xs[t]
+            h = [bf16(dot(xin, w13s[e][n], b13s[e][n])) for n in range(two_i)]
             if activation == "silu":
                 a = [bf16(h[i] * sigmoid(h[i]) * h[I + i]) for i in range(I)]
             else:
@@ -70,7 +72,7 @@ def oracle(x, W13, W2, topk_weights, topk_ids, b13=None, b2=None, activation="si
                     u = min(max(h[2 * i + 1], -limit), limit)
                     a.append(bf16(g * sigmoid(alpha * g) * (u + 1.0)))
             for n in range(H):
-                acc[n] += tw[t][j] * dot(a, w2s[e][n], b2s[e][n])
+                acc[n] += (1.0 if on_input else tw[t][j]) * dot(a, w2s[e][n], b2s[e][n])
         out.append([bf16(v) for v in acc])
     return torch.tensor(out, dtype=torch.float64).reshape(T, H).to(torch.bfloat16)  # exact: values are bf16
 
@@ -121,9 +123,9 @@ def call(kw, **extra):
                          kw.pop("topk_ids"), **kw)
 
 
-def run_oracle(kw, W13, W2, activation="silu", alpha=1.702, limit=7.0):
+def run_oracle(kw, W13, W2, activation="silu", alpha=1.702, limit=7.0, on_input=False):
     return oracle(kw["x"], W13, W2, kw["topk_weights"], kw["topk_ids"], kw.get("w13_bias"),
-                  kw.get("w2_bias"), activation, alpha, limit)
+                  kw.get("w2_bias"), activation, alpha, limit, on_input)
 
 
 @st.composite
@@ -235,6 +237,80 @@ def test_rounding_points_hand_case():
     assert call(kw).item() == 3.515625
     kw["topk_ids"] = torch.tensor([[-1]], dtype=torch.int32)
     assert call(kw).item() == 0.0
+
+
+# ------------------------------------------- apply_router_weight_on_input (SPEC 6)
+# swiglu_oai with a huge alpha and limit is relu(g) * (u + 1) exactly in f64 (sigmoid(1e4 * g)
+# is 1.0 for g >= 0.1 and underflows to 0 for g <= -0.1): small integers stay computable by hand.
+RELU = dict(activation="swiglu_oai", alpha=1e4, limit=1e3)
+
+
+def test_weighted_input_hand_case_weight_rounded_first():
+    # H = I = 1, one slot. gate row 0 = 1, up row 1 = 0: h = (x_in, 0), a = x_in, y = a (W2 = 1).
+    # w = 1 + 2^-8 + 2^-10 (f32). bf16(w) = 1 + 2^-7 (2^-8 + 2^-10 is above half of 2^-7).
+    # x = 3: x * bf16(w) = 3 + 3 * 2^-7 = 3.0234375, exactly halfway between 3 + 2^-6 and
+    # 3 + 2^-5 (bf16 spacing 2^-6 in [2, 4)); ties to even: 3 + 2^-5 = 3.03125.
+    # Without rounding w first: 3 * w = 3.0146484375 -> 3.015625. Unflagged: bf16(w * 3) = the same 3.015625.
+    w = 1 + 2.0 ** -8 + 2.0 ** -10
+    assert bf16(w) == 1 + 2.0 ** -7 and bf16(3 * bf16(w)) == 3.03125 and bf16(3 * w) == 3.015625
+    kw = dict(x=torch.tensor([[3.0]], dtype=torch.bfloat16),
+              w13=torch.tensor([[[1.0], [0.0]]], dtype=torch.bfloat16), w2=torch.tensor([[[1.0]]], dtype=torch.bfloat16),
+              topk_weights=torch.tensor([[w]]), topk_ids=torch.tensor([[0]], dtype=torch.int32), quant="bf16", **RELU)
+    assert call(kw, apply_router_weight_on_input=True).item() == 3.03125
+    assert call(kw).item() == 3.015625
+
+
+def test_weighted_input_hand_case_two_slots():
+    # x = (1, 2), slots -> experts (0, 1) with w = (2, 0.5), a third slot dropped (-1, weight 7).
+    # Both experts: gate = x0 + x1, up = x0, so a = g * (u + 1); W2[0] = (1, 1), W2[1] = (1, -1).
+    #   flag:  slot 0 input (2, 4): g = 6, u = 2, a = 18;  slot 1 input (0.5, 1): g = 1.5, u = 0.5,
+    #          a = 2.25;  out = (18 + 2.25, 18 - 2.25) = (20.25, 15.75), unweighted.
+    #   no flag: input (1, 2): g = 3, u = 1, a = 6 for both; out = 2 * (6, 6) + 0.5 * (6, -6) = (15, 9).
+    W13 = torch.tensor([[1.0, 1.0], [1.0, 0.0]]).expand(2, 2, 2).contiguous()   # rows: gate, up (interleaved)
+    W2 = torch.tensor([[[1.0], [1.0]], [[1.0], [-1.0]]])
+    kw = dict(x=torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16), w13=W13.bfloat16(), w2=W2.bfloat16(),
+              topk_weights=torch.tensor([[2.0, 0.5, 7.0]]), topk_ids=torch.tensor([[0, 1, -1]], dtype=torch.int32),
+              quant="bf16", **RELU)
+    assert call(kw, apply_router_weight_on_input=True).tolist() == [[20.25, 15.75]]
+    assert call(kw).tolist() == [[15.0, 9.0]]
+    # biases are not scaled by the weight: b13 = (1, 0) per expert adds 1 to g; b2 = (1, 0) adds 1 per slot
+    kw.update(w13_bias=torch.tensor([[1.0, 0.0], [1.0, 0.0]]), w2_bias=torch.tensor([[1.0, 0.0], [1.0, 0.0]]))
+    # slot 0: g = 7, a = 21, y = (22, 21); slot 1: g = 2.5, a = 3.75, y = (4.75, -3.75); sum (26.75, 17.25)
+    assert call(kw, apply_router_weight_on_input=True).tolist() == [[26.75, 17.25]]
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+def test_weighted_input_k1_and_equal_weights_are_unflagged_on_scaled_x(quant):
+    """K = 1, or K > 1 with one weight per token for all its slots: the flag equals the plain call
+    on x' = bf16(x * bf16(w)) with weights 1, bit for bit; weights exactly 1 make the flag a no-op."""
+    for K in (1, 3):
+        kw, _, _ = make_case(40 + K, 6, 4, K, 64, 32, quant=quant, bias=torch.float32, drop=0.2)
+        c = torch.rand(6, 1, generator=torch.Generator().manual_seed(K)) * 3
+        kw["topk_weights"] = c.expand(6, K).contiguous()
+        xw = (kw["x"].double() * c.bfloat16().double()).bfloat16()     # exact product, one rounding
+        plain = dict(kw, x=xw, topk_weights=torch.ones(6, K))
+        got = call(kw, apply_router_weight_on_input=True)
+        assert torch.equal(bits(got), bits(call(plain))) and got.abs().sum() > 0
+        ones = dict(kw, topk_weights=torch.ones(6, K))
+        assert torch.equal(bits(call(ones, apply_router_weight_on_input=True)), bits(call(ones)))
+
+
+@SETTINGS
+@given(shape=shapes(), seed=st.integers(0, 2 ** 31), activation=st.sampled_from(["silu", "swiglu_oai"]),
+       bias=st.sampled_from([None, torch.float32, torch.bfloat16]), quant=st.sampled_from(["bf16", "mxfp4"]))
+def test_weighted_input_matches_python_loop_bitwise(shape, seed, activation, bias, quant):
+    T, E, K, H, I = shape
+    kw, W13, W2 = make_case(seed, T, E, K, H, I, quant=quant, bias=bias)
+    kw["topk_weights"] = kw["topk_weights"] * 4 - 1           # negative and > 1 weights too
+    got = call(kw, activation=activation, apply_router_weight_on_input=True)
+    assert torch.equal(bits(got), bits(run_oracle(kw, W13, W2, activation, on_input=True)))
+
+
+def test_weighted_input_bad_type():
+    kw, _, _ = make_case(1, 2, 3, 2, 32, 32)
+    for v in (1, 0, "yes", None, torch.tensor(True)):
+        with pytest.raises(ValueError, match="argument 'apply_router_weight_on_input'"):
+            call(kw, apply_router_weight_on_input=v)
 
 
 # ------------------------------------------------------------------------ bad inputs

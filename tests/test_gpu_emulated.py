@@ -278,7 +278,8 @@ def fe_run(emu, x, w13, w2, tw, ids, kw, policy, m_cross=0, ws=-1):
     act = {"silu": 0, "swiglu_oai": 1}[kw["activation"]]
     return emu.fused_experts(x, w13, w2, tw, ids, FE_QUANT[kw["quant"]], kw.get("w13_scale"), kw.get("w2_scale"),
                              kw.get("w13_bias"), kw.get("w2_bias"), act, kw.get("alpha", 1.702), kw.get("limit", 7.0),
-                             policy, m_cross, E, I, ws)
+                             policy, m_cross, E, I, ws,
+                             weighted_input=kw.get("apply_router_weight_on_input", False))
 
 
 def fe_ok(emu, *args, **kw):
@@ -544,3 +545,111 @@ def test_fused_experts_launcher_checks(emu):
     bad[1, 1] = 3
     st, out, status = fe_run(emu, x, w13, w2, tw, bad, kw, FE_SMALL)
     assert st == 0 and status[0].item() == 1 and status[2].item() == 3 and not out.isnan().any()
+
+
+# ------------------------------------------- fused_experts: apply_router_weight_on_input
+# SPEC 6: fe_gather_weighted writes GEMM1's rows bf16(x * bf16(w)) (in y's region), fe_combine
+# sums unweighted. The gathered rows are the CPU kernel's bit for bit, so every comparison above
+# holds with the flag too.
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_fused_experts_weighted_input_matches_reference(emu, quant, act):
+    """Both paths and a per-block mix against reference.fused_experts with the flag (the CPU
+    tests' bound), the tiled SIMT path equal to the CPU kernel bit for bit, the result not the
+    unflagged one; an x with rows at an odd offset (the launcher's scalar x loads) gives the
+    same bits (the gathered rows are aligned either way); T = 0 is valid."""
+    from tests.test_fused_experts_optimized import make_case, spread_weights, weighted
+    E, H, I, K = 3, 64, 32, 2
+    x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, 0, K, seed=1)
+    st, out, _ = fe_run(emu, x, w13, w2, tw, ids, weighted(kw), FE_SMALL)
+    assert st == 0 and out.shape == (0, H)
+    for T, runs in ((1, [(FE_SMALL, 0), (FE_TILED, 0)]), (7, [(FE_SMALL, 0), (FE_TILED, 0), (FE_PER_BLOCK, 4)])):
+        x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=T + 13, hot=True)
+        tw = spread_weights(tw)
+        kwf = weighted(kw)
+        cpu = fe_cpu(x, w13, w2, tw, ids, kwf)
+        check = fe_checker(x, w13, w2, tw, ids, kwf)
+        xo = torch.zeros(T, H + 2, dtype=torch.bfloat16)[:, 1:H + 1]
+        xo.copy_(x)
+        for policy, m_cross in runs:
+            out = fe_ok(emu, x, w13, w2, tw, ids, kwf, policy, m_cross)
+            assert not out.isnan().any()
+            check(out)
+            assert not same_bits(out, fe_ok(emu, x, w13, w2, tw, ids, kw, policy, m_cross))
+            assert same_bits(fe_ok(emu, xo, w13, w2, tw, ids, kwf, policy, m_cross), out)
+            if policy == FE_TILED:
+                assert same_bits(out, cpu), "tiled SIMT path differs from the CPU kernel (scalar level)"
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+def test_fused_experts_weighted_input_bitwise_with_the_cpu_kernel(emu, quant):
+    """Exact sums with the flag: small-integer x, weights in {+-1/4, +-1/2, +-1, +-2} (the scaled
+    inputs stay small dyadic numbers), small-integer W13 and one nonzero per W2 row: both paths
+    equal the CPU kernel at every ISA level, avx512_bf16 included, and the unflagged call on
+    x * w with weights 1 (K = 1)."""
+    E, H, I, T = 3, 64, 32, 6
+    g = torch.Generator().manual_seed(78)
+    x = torch.randint(-3, 4, (T, H), generator=g).bfloat16()
+    onehot = torch.zeros(E, H, I)
+    onehot[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 3, (E, H), generator=g).float()
+    if quant == "bf16":
+        w13, s13 = torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16(), None
+        w2, s2 = onehot.bfloat16(), None
+    elif quant == "fp8_block":
+        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
+        s13 = torch.exp2(torch.randint(-2, 2, (E, 1, 1), generator=g).float())
+        w2, s2 = onehot.to(torch.float8_e4m3fn), torch.full((E, 1, 1), 0.5)
+    else:
+        w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+        s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+        c2 = torch.zeros(E, H, I, dtype=torch.uint8)
+        c2[onehot == 1.0] = 2
+        c2[onehot == 2.0] = 4
+        w2, s2 = (c2[:, :, 0::2] | (c2[:, :, 1::2] << 4)), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+    for K in (1, 2):
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+        tw = torch.exp2(torch.randint(-2, 2, (T, K), generator=g).float()) * \
+            torch.where(torch.rand(T, K, generator=g) < 0.5, -1.0, 1.0)
+        for act in ("silu", "swiglu_oai"):
+            kw = dict(quant=quant, w13_scale=s13, w2_scale=s2, activation=act, apply_router_weight_on_input=True,
+                      w13_bias=torch.randint(-8, 9, (E, 2 * I), generator=g) / 8.0,
+                      w2_bias=(torch.randint(-8, 9, (E, H), generator=g) / 4.0).bfloat16())
+            small = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+            tiled = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+            assert not small.isnan().any() and (small != 0).float().mean() > 0.5
+            for level in ("scalar", "avx512", "avx512_bf16"):
+                cpu = fe_cpu(x, w13, w2, tw, ids, kw, level)
+                assert same_bits(small, cpu) and same_bits(tiled, cpu), (K, act, level)
+            if K == 1:
+                plain = dict(kw, apply_router_weight_on_input=False)
+                xw = (x.float() * tw).bfloat16()
+                assert same_bits(fe_ok(emu, xw, w13, w2, torch.ones(T, 1), ids, plain, FE_SMALL), small)
+
+
+def test_fused_experts_weighted_input_small_path_is_batch_invariant(emu):
+    """With the flag, a token alone or in batches of 2, 3 and 5 or shuffled gives the same bits on
+    the small path, on order-sensitive inputs."""
+    from tests.test_fused_experts_optimized import spread_weights, weighted
+    x, w13, w2, tw, ids, kw = fe_cancelling("fp8_block", "swiglu_oai", T=7)
+    tw = spread_weights(tw)
+    kw = weighted(kw)
+    full = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
+    for t in (0, 3, 6):
+        one = fe_ok(emu, x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], kw, FE_SMALL)
+        assert same_bits(one[0], full[t]), t
+    for n in (2, 3, 5):
+        assert same_bits(fe_ok(emu, x[:n], w13, w2, tw[:n], ids[:n], kw, FE_SMALL), full[:n]), n
+    perm = torch.randperm(7, generator=torch.Generator().manual_seed(4))
+    assert same_bits(fe_ok(emu, x[perm], w13, w2, tw[perm], ids[perm], kw, FE_SMALL), full[perm])
+
+
+def test_fused_experts_weighted_input_workspace_unchanged(emu):
+    """The weighted rows live in y's region: the workspace size does not depend on the flag, and
+    exactly that size is enough (the launcher refuses one byte less)."""
+    from tests.test_fused_experts_optimized import make_case, weighted
+    for H, I in ((64, 32), (40, 24)):   # H % 8 == 0 and not (the gathered rows are padded to 8)
+        x, w13, w2, tw, ids, kw = make_case("bf16", "silu", 3, H, I, 5, 2, seed=3)
+        need = emu.fused_experts_workspace_bytes(5, 2, 3, H, I)
+        assert fe_run(emu, x, w13, w2, tw, ids, weighted(kw), FE_TILED, ws=need - 1)[0] < 0
+        st, out, _ = fe_run(emu, x, w13, w2, tw, ids, weighted(kw), FE_TILED, ws=need)
+        assert st == 0 and same_bits(out, fe_cpu(x, w13, w2, tw, ids, weighted(kw)))

@@ -217,6 +217,13 @@ def fe_packed_mx():
     return _packed(fe_mx)
 
 
+def fe_on_input():
+    """apply_router_weight_on_input (SPEC 6) on prepacked fp8 weights with biases."""
+    g = _gen(10)
+    return {**_packed(fe_fp8), "apply_router_weight_on_input": True,
+            "w13_bias": torch.randn(E_F, 2 * I_F, generator=g), "w2_bias": torch.randn(E_F, H_F, generator=g)}
+
+
 def prepack_base():
     return dict(w=(torch.randn(3, 40, 24, generator=_gen(9)) * 0.1).to(torch.bfloat16), scale=None, quant="bf16")
 
@@ -238,7 +245,7 @@ BASES = {
     "permute": [permute_base, permute_map],
     "permute_out": [permute_out_base, permute_out_map],
     "unpermute": [unpermute_base],
-    "fused_experts": [fe_base, fe_oai, fe_fp8, fe_mx, fe_packed, fe_packed_mx],
+    "fused_experts": [fe_base, fe_oai, fe_fp8, fe_mx, fe_packed, fe_packed_mx, fe_on_input],
     "prepack_moe_weight": [prepack_base, prepack_fp8, prepack_mx],
 }
 
@@ -640,6 +647,16 @@ for a in ("gelu", "", "SILU"):
     bad("fused_experts", fe_base, "activation", repr(a), activation=a)
 for p in (-1, 3, 2 ** 40):
     bad("fused_experts", fe_base, "policy", f"{p}", policy=p)
+# apply_router_weight_on_input is a bool in the schema: a value the dispatcher cannot read as one
+# is refused before the kernel, naming the op and the argument. (It does read ints, floats, None
+# and one-element tensors as bools, as for every bool argument; the Python layer refuses those.)
+for v in ("yes", [True], (1,), {"on": True}):
+    bad("fused_experts", fe_base, "apply_router_weight_on_input", f"type-{type(v).__name__}",
+        apply_router_weight_on_input=v)
+    bad("fused_experts", fe_on_input, "apply_router_weight_on_input", f"type-{type(v).__name__}",
+        apply_router_weight_on_input=v)
+bad("fused_experts", fe_on_input, "topk_weights", "K-mismatch", topk_weights=lambda kw: kw["topk_weights"][:, :1])
+bad("fused_experts", fe_on_input, "topk_weights", "dtype-bfloat16", topk_weights=recast("topk_weights", torch.bfloat16))
 for v in (NAN, INF, -INF):
     bad("fused_experts", fe_oai, "alpha", f"{v}", alpha=v)
     bad("fused_experts", fe_oai, "limit", f"{v}", limit=v)

@@ -373,6 +373,47 @@ def experts_policy_dependent(fn):
     return f
 
 
+def _round_bf16(v):
+    from reference.quant import round_to_bf16
+    return round_to_bf16(v)
+
+
+def experts_input_weight_unrounded(fn):
+    """apply_router_weight_on_input: the input scaled by the f32 weight, bf16(x * w), instead of
+    bf16(x * bf16(w)) (the weight not rounded to bf16 first). Emulated exactly at K = 1 (the
+    scaled rows through the unflagged kernel with weight 1); other calls pass through."""
+    @_wraps(fn)
+    def f(x, w13, w2, topk_weights, topk_ids, *, apply_router_weight_on_input=False, **kw):
+        if not apply_router_weight_on_input or topk_ids.shape[1] != 1:
+            return fn(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=apply_router_weight_on_input, **kw)
+        xs = _round_bf16(x.double() * topk_weights.double())
+        return fn(xs, w13, w2, torch.ones_like(topk_weights), topk_ids, **kw)
+    return f
+
+
+def experts_weight_on_input_and_output(fn):
+    """apply_router_weight_on_input: the weight applied twice, to the input and again in the
+    combine. Emulated exactly at K = 1 (the correctly scaled rows through the unflagged, weighted
+    kernel); other calls pass through."""
+    @_wraps(fn)
+    def f(x, w13, w2, topk_weights, topk_ids, *, apply_router_weight_on_input=False, **kw):
+        if not apply_router_weight_on_input or topk_ids.shape[1] != 1:
+            return fn(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=apply_router_weight_on_input, **kw)
+        xs = _round_bf16(x.double() * _round_bf16(topk_weights.double()).double())
+        return fn(xs, w13, w2, topk_weights, topk_ids, **kw)
+    return f
+
+
+def experts_input_weight_ignored(fn):
+    """apply_router_weight_on_input: the gather forgets the weight (input x, output unweighted)."""
+    @_wraps(fn)
+    def f(x, w13, w2, topk_weights, topk_ids, *, apply_router_weight_on_input=False, **kw):
+        if apply_router_weight_on_input:
+            topk_weights = torch.ones_like(topk_weights)
+        return fn(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input=apply_router_weight_on_input, **kw)
+    return f
+
+
 # ============================================================================ batch invariance
 def router_gemm_batch_dependent(fn):
     """A library GEMM for batches above 8 tokens (another summation order: last bits move),
@@ -498,6 +539,15 @@ MUTANTS: List[Mutant] = [
            experts_last_expert_dropped, dists=("uniform", "all_to_one")),
     Mutant("fused_experts.weights_ignored", "fused_experts", "routing weights not applied", experts_weights_ignored,
            dists=("uniform",)),
+    Mutant("fused_experts.input_weight_unrounded", "fused_experts",
+           "apply_router_weight_on_input: input scaled by the f32 weight, not bf16(w)", experts_input_weight_unrounded,
+           fixed={"on_input": True, "K": 1}),
+    Mutant("fused_experts.weight_on_input_and_output", "fused_experts",
+           "apply_router_weight_on_input: weight applied to the input and again to the output",
+           experts_weight_on_input_and_output, fixed={"on_input": True, "K": 1}),
+    Mutant("fused_experts.input_weight_ignored", "fused_experts",
+           "apply_router_weight_on_input: the input not scaled", experts_input_weight_ignored,
+           fixed={"on_input": True}),
     Mutant("moe_forward.bias_ignored", "moe_forward", "routing bias ignored in the selection", moe_bias_ignored,
            dists=("uniform",), fixed={"method": "sigmoid_bias"}),
     Mutant("moe_forward.last_expert_dropped", "moe_forward", "the last expert never routed to",

@@ -1047,7 +1047,9 @@ def _draw_experts_common(p: Picker, dist: str, max_e=64):
     E = p("E", st.sampled_from(tuple(e for e in (1, 2, 3, 4, 6, 8, 16, 32, 64) if e <= max_e)))
     return {"quant": quant, "H": H, "I": I, "E": E, "big": big,
             "activation": p("activation", st.sampled_from(ACTIVATIONS)),
-            "dispatch": p("dispatch", st.sampled_from(DISPATCHES))}
+            "dispatch": p("dispatch", st.sampled_from(DISPATCHES)),
+            # SPEC 6: the router weight scales the expert input (Llama 4), a third of the cases
+            "on_input": bool(p("on_input", st.sampled_from((False, False, True))))}
 
 
 def _draw_fused_experts(draw, dist, fixed):
@@ -1112,13 +1114,18 @@ def _make_fused_experts(s):
     T, K = s["T"], s["K"]
     r = D.make_routing(s["dist"], T, s["E_global"], K, s["seed"], D.dist_params(s["dist"], s["dchoice"]) |
                        ({"n_local": s["E"]} if s["dist"] == "ep_shard" else {}))
-    w_route, ids = ref_route(r.logits, K, "softmax_topk", renormalize=True)
+    if s.get("on_input"):   # Llama 4's routing: sigmoid weights, not renormalized (not all 1.0 at K = 1)
+        w_route, ids = ref_route(r.logits, K, "sigmoid_topk", renormalize=False)
+    else:
+        w_route, ids = ref_route(r.logits, K, "softmax_topk", renormalize=True)
     ids = r.local_ids if s["dist"] == "ep_shard" else ids
     g = D.generator(s["seed"] + 3)
     x = _expert_x(s, g, T, s["H"])
     w13, w2, kw = make_expert_weights(s, g, s["E"])
     kw.update(topk_weights=w_route.contiguous(), topk_ids=ids.to(torch.int32).contiguous(), quant=s["quant"],
               activation=s["activation"], dispatch=s["dispatch"])
+    if s.get("on_input"):
+        kw["apply_router_weight_on_input"] = True
     return Case("fused_experts", s, (x, w13, w2), kw)
 
 
@@ -1172,8 +1179,13 @@ def _fused_errors(seed):
     bad[0, 0] = 3
     params = {"x": x, "w13": w13, "w2": w2, "topk_weights": tw, "topk_ids": ti, "quant": "fp8_block",
               "w13_scale": kw["w13_scale"], "w2_scale": kw["w2_scale"], "w13_bias": None, "w2_bias": None,
-              "activation": "silu", "alpha": 1.702, "limit": 7.0, "dispatch": "auto"}
+              "activation": "silu", "alpha": 1.702, "limit": 7.0, "dispatch": "auto",
+              "apply_router_weight_on_input": False}
     explicit = [
+        ("apply_router_weight_on_input not a bool", {"apply_router_weight_on_input": 1},
+         ("apply_router_weight_on_input",)),
+        ("apply_router_weight_on_input a string", {"apply_router_weight_on_input": "True"},
+         ("apply_router_weight_on_input",)),
         ("unknown quant", {"quant": "int4"}, ("quant",)),
         ("unknown activation", {"activation": "gelu"}, ("activation",)),
         ("unknown dispatch", {"dispatch": "fastest"}, ("dispatch",)),
@@ -1195,7 +1207,8 @@ def _fused_errors(seed):
         ("w13_bias wrong shape", {"w13_bias": torch.zeros(3, 63)}, ("w13_bias",)),
         ("w2 I mismatch", {"w2": w2[:, :, :16].contiguous()}, ("w2",)),
     ]
-    rules = {"x": TensorRule((torch.float32, torch.float64), dims=(1,), dim_names=("x", "w13", "w2"), device_ref=True),
+    # float64 x is not a bad dtype for the reference: it is its exact mode (SPEC 6, docs/families.md)
+    rules = {"x": TensorRule((torch.float32, torch.float16), dims=(1,), dim_names=("x", "w13", "w2"), device_ref=True),
              "w13": TensorRule((torch.bfloat16, torch.float32), dims=(2,), dim_names=("w13",), contiguous=True),
              "w2": TensorRule((torch.bfloat16, torch.float32), dims=(1, 2), dim_names=("w2",), contiguous=True),
              "topk_weights": TensorRule((torch.float64, torch.bfloat16), dims=(1,),
@@ -1287,6 +1300,8 @@ def _make_moe(s):
     kw.update(top_k=K, method=s["method"], n_group=s["n_group"], topk_group=s["topk_group"],
               scaling=s["scaling"], renormalize=s["renormalize"], quant=s["quant"],
               activation=s["activation"], dispatch=s["dispatch"])
+    if s.get("on_input"):
+        kw["apply_router_weight_on_input"] = True
     return Case("moe_forward", s, (xb, W, w13, w2), kw)
 
 
@@ -1303,7 +1318,8 @@ def _moe_opt(ops):
 
 
 _ROUTE_KW = ("bias", "n_group", "topk_group", "scaling", "renormalize", "norm_eps")
-_FUSED_KW = ("quant", "w13_scale", "w2_scale", "w13_bias", "w2_bias", "activation", "alpha", "limit", "dispatch")
+_FUSED_KW = ("quant", "w13_scale", "w2_scale", "w13_bias", "w2_bias", "activation", "alpha", "limit", "dispatch",
+             "apply_router_weight_on_input")
 
 
 def _moe_parts(case: Case):
@@ -1410,7 +1426,8 @@ def _moe_errors(seed):
         ("x f32", {"x": x.float()}, ("x",)),
         ("router_weight bf16", {"router_weight": W.bfloat16()}, ("weight", "router_weight")),
     ]
-    rules = {"x": TensorRule((torch.float64, torch.int32), device_ref=True),
+    # float64 x is not a bad dtype for the reference: it is its exact mode (SPEC 6, docs/families.md)
+    rules = {"x": TensorRule((torch.float16, torch.int32), device_ref=True),
              "router_weight": TensorRule((torch.float64, torch.int32), dims=(1,),
                                          dim_names=("weight", "router_weight"), aliases=("weight",)),
              "w13": TensorRule((torch.float32, torch.int8), dims=(2,), dim_names=("w13",), contiguous=True),

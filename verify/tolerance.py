@@ -354,7 +354,7 @@ def _act_f32(h: torch.Tensor, activation: str, alpha: float, limit: float) -> to
 
 def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_scale=None, w2_scale=None,
                            w13_bias=None, w2_bias=None, activation="silu", alpha=1.702, limit=7.0,
-                           dispatch="auto"):
+                           dispatch="auto", apply_router_weight_on_input=False):
     """Eager baseline, magnitudes and flip floor of fused_experts (all on CPU).
 
     Eager (the plain PyTorch way, what a straightforward implementation does): per expert,
@@ -378,6 +378,18 @@ def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_sca
     rounded to bf16 as SPEC says, the weighted sum in f64): the truth `arith_check` measures
     against (the reference output is V rounded once to bf16).
 
+    apply_router_weight_on_input (SPEC 6): every one of these with slot j's input
+    bf16(x * bf16(w_tj)) (exact in f32 and in f64: the product of two bf16 values, rounded once)
+    and |w_tj| replaced by 1 in the sums.
+
+    Subnormals: the CPU kernel at avx512_bf16 (vdpbf16ps) treats bf16-subnormal GEMM inputs
+    (x, or a) as zero and flushes subnormal partial sums (docs/fused_experts.md). A tiny routing
+    weight on the input makes them common (x * w ~ 1e-20 gives a ~ 1e-40, y ~ 1e-37). F holds,
+    per slot, |y - y with subnormal x and a elements read as 0| (zero unless there are some),
+    plus 2^-126 * (ceil(I/2) + 1 + sum_k |W2_ik|): every flushed partial sum of GEMM2 (one per
+    k pair) and every a_k at the subnormal boundary moves y by less than 2^-126 (* |W2_ik|).
+    Far below any tolerance unless the outputs themselves are near 2^-126.
+
     Returns (eager bf16 [T, H], V f64 [T, H], A f64 [T, H], F f64 [T, H]).
     """
     from reference.fused_experts import activate
@@ -390,7 +402,28 @@ def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_sca
     A = torch.zeros(T, H, dtype=torch.float64)
     Fl = torch.zeros(T, H, dtype=torch.float64)
     V = torch.zeros(T, H, dtype=torch.float64)
-    x32 = x.float()
+    Fsub = torch.zeros(T, H, dtype=torch.float64)
+
+    def subnormal(v):
+        return (v.double().abs() < 2.0 ** -126) & (v != 0)
+
+    def mlp64(xin, W13, W2, e, flush=False):
+        """(a, y) of the rows xin in f64 with the reference's roundings (flush: subnormal x and
+        a elements read as 0)."""
+        if flush:
+            xin = torch.where(subnormal(xin), torch.zeros_like(xin), xin)
+        h64 = xin.double() @ W13.double().T
+        if w13_bias is not None:
+            h64 = h64 + w13_bias[e].double()
+        h64 = round_to_bf16(h64).double()
+        a64 = round_to_bf16(activate(h64, activation, alpha, limit)).double()
+        if flush:
+            a64 = torch.where(subnormal(a64), torch.zeros_like(a64), a64)
+        y64 = a64 @ W2.double().T
+        if w2_bias is not None:
+            y64 = y64 + w2_bias[e].double()
+        return a64, y64
+
     for e in range(E):
         tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
         if tok.numel() == 0:
@@ -398,8 +431,12 @@ def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_sca
         W13 = dequantize_expert_weights(quant, w13[e], None if w13_scale is None else w13_scale[e])
         W2 = dequantize_expert_weights(quant, w2[e], None if w2_scale is None else w2_scale[e])
         wt = topk_weights[tok, slot]
+        xin = x[tok]
+        if apply_router_weight_on_input:
+            xin = round_to_bf16(x[tok].double() * round_to_bf16(wt.double()).double().unsqueeze(1))
+            wt = torch.ones_like(wt)
         # eager
-        h = x32[tok] @ W13.to(torch.bfloat16).float().T
+        h = xin.float() @ W13.to(torch.bfloat16).float().T
         if w13_bias is not None:
             h = h + w13_bias[e].float()
         h = h.to(torch.bfloat16).float()
@@ -409,14 +446,12 @@ def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_sca
             y = y + w2_bias[e].float()
         out.index_add_(0, tok, wt.unsqueeze(1) * y)
         # magnitudes (f64, reference roundings)
-        h64 = x[tok].double() @ W13.double().T
-        if w13_bias is not None:
-            h64 = h64 + w13_bias[e].double()
-        h64 = round_to_bf16(h64).double()
-        a64 = round_to_bf16(activate(h64, activation, alpha, limit)).double()
-        y64 = a64 @ W2.double().T
-        if w2_bias is not None:
-            y64 = y64 + w2_bias[e].double()
+        a64, y64 = mlp64(xin, W13, W2, e)
+        ftz = (W2.double().abs().sum(1) + (W2.shape[1] + 1) // 2 + 1) * 2.0 ** -126
+        if bool(subnormal(xin).any()) or bool(subnormal(a64).any()):
+            _, y64f = mlp64(xin, W13, W2, e, flush=True)
+            ftz = ftz + (y64f - y64).abs().nan_to_num(0.0)
+        Fsub.index_add_(0, tok, wt.double().abs().unsqueeze(1) * ftz.nan_to_num(0.0, posinf=0.0))
         V.index_add_(0, tok, wt.double().unsqueeze(1) * y64)
         a64 = a64.abs()
         W2a = W2.double().abs()
@@ -426,7 +461,7 @@ def fused_experts_baseline(x, w13, w2, topk_weights, topk_ids, *, quant, w13_sca
         wabs = wt.double().abs().unsqueeze(1)
         A.index_add_(0, tok, wabs * mag)
         Fl.index_add_(0, tok, wabs * _largest_term(a64.nan_to_num(0.0), W2a.nan_to_num(0.0)))
-    return out.to(torch.bfloat16), V, A, BF16_FLIP * Fl
+    return out.to(torch.bfloat16), V, A, BF16_FLIP * Fl + Fsub
 
 
 def _largest_term(a: torch.Tensor, w: torch.Tensor, chunk_elems: int = 1 << 22) -> torch.Tensor:

@@ -54,3 +54,13 @@ MOELAB_CPU_KERNEL(void, fused_experts_gemm,
 MOELAB_CPU_KERNEL(void, fused_experts_act,
                   (const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t I, int act,
                    float alpha, float limit, int64_t p0, int64_t p1))
+
+// Rows [p0, p1) of GEMM1's input with the router weight applied to it
+// (apply_router_weight_on_input, SPEC 6): row p = slot r = src_row[p] = t*K + j gets
+// xg[p][k] = bf16(x[t][k] * bf16(w[t, j])), the exact product rounded once (RNE), for k < H;
+// xg[p][k] = 0 for H <= k < ldg (the pad of an odd H). x rows ldx elements apart (unit stride
+// along H); w[t, j] at w + t*ldw_t + j*ldw_k.
+MOELAB_CPU_KERNEL(void, fused_experts_gather_weighted,
+                  (const uint16_t* x, int64_t ldx, const float* w, int64_t ldw_t, int64_t ldw_k,
+                   const int32_t* src_row, int64_t K, int64_t H, uint16_t* xg, int64_t ldg, int64_t p0,
+                   int64_t p1))

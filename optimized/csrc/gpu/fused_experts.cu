@@ -5,6 +5,8 @@
 //     a = bf16(act(h))                            silu / swiglu_oai in f32 from the bf16 h
 //     y = a @ W2[e].T + b2[e]                     f32
 //     out[t] = bf16(sum_j w[t, j] * y_j)          f32, j ascending, from +0, rounded once
+// apply_router_weight_on_input (SPEC 6, Llama 4): the weight scales the input instead, slot j's
+// input is bf16(x[t] * bf16(w[t, j])) (the exact product rounded once), out[t] = bf16(sum_j y_j).
 //
 // Pipeline of one call (all on one stream, 6 to 8 launches, no atomics on any output):
 //   1. group rows by expert: permute_launch (permute.cu, its stable counting sort; no row
@@ -15,11 +17,14 @@
 //      1, 2, 4 or 8 from T; tiled: kFeTileM), in expert order, via a block scan.
 //   3. GEMM1 (x -> h bf16): fe_small over the small units x column tiles of kSmallCols, and
 //      fe_tiled over the tiled units x column tiles of kFeTileN. x rows are read in place
-//      through src_row (no gathered copy).
+//      through src_row (no gathered copy). With apply_router_weight_on_input, fe_gather_weighted
+//      first writes the scaled rows xg[p] = bf16(x[t] * bf16(w[t, j])) (the CPU's gather, bit for
+//      bit) into y's region, which GEMM1 then reads row by row (y is written only by GEMM2).
 //   4. fe_act: a = bf16(act(h)) per row (the CPU's f32 formulas, bit for bit).
 //   5. GEMM2 (a -> y f32): as 3.
 //   6. fe_combine: out[t] = bf16(sum over j ascending of w[t,j] * y[dst_pos[t*K+j]]), products
-//      rounded then added (mul_rn / add_rn), exactly the CPU's combine.
+//      rounded then added (mul_rn / add_rn), exactly the CPU's combine (w[t,j] := 1 with
+//      apply_router_weight_on_input: 1 * y == y, the unweighted sum in the same order).
 // Every output element of every pass is computed by exactly one thread in a fixed order:
 // the result does not depend on the launch geometry, the schedule or the GPU's size.
 //
@@ -582,13 +587,38 @@ fe_act(const uint16_t* __restrict__ h, int64_t ldh, uint16_t* __restrict__ a, in
   }
 }
 
+// ------------------------------------------------------------- weighted input (SPEC 6)
+// bf16(x * ws) of two bf16 values widened to f32: one f32 multiply and one RNE rounding, which
+// is the single rounding of the exact product (at most 16 significant bits: exact in f32 down to
+// 2^-134; below that bf16 gives +-0 either way). The CPU's gather, bit for bit.
+MOELAB_DEV uint16_t weighted_input(float x, float ws) { return f32_bf16(mul_rn(x, ws)); }
+
+// GEMM1's input rows for apply_router_weight_on_input: xg[p, k] = bf16(x[t, k] * bf16(w[t, j]))
+// for the routed rows p < offsets[E], slot r = src_row[p] = t*K + j; columns [H, ldg) zeroed.
+__global__ void __launch_bounds__(kAuxThreads, 1)
+fe_gather_weighted(const uint16_t* __restrict__ x, int64_t ldx, const float* __restrict__ w, int64_t ldw_t,
+                   int64_t ldw_k, const int32_t* __restrict__ src_row, const int64_t* __restrict__ offsets, int64_t E,
+                   int64_t K, int64_t H, uint16_t* __restrict__ xg, int64_t ldg, int64_t rows) {
+  const int64_t P = offsets[E] < rows ? offsets[E] : rows;
+  const int64_t k0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, kstep = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t p = blockIdx.y; p < P; p += gridDim.y) {
+    const int64_t r = src_row[p], t = r / K, j = r - t * K;
+    const float ws = bf16_f32(f32_bf16(w[t * ldw_t + j * ldw_k]));   // the weight rounded to bf16 first
+    const uint16_t* xr = x + t * ldx;
+    uint16_t* gr = xg + p * ldg;
+    for (int64_t k = k0; k < ldg; k += kstep) gr[k] = k < H ? weighted_input(bf16_f32(xr[k]), ws) : uint16_t(0);
+  }
+}
+
 // ----------------------------------------------------------------------------- combine
 // out[t, h] = bf16(sum over j ascending with p = dst_pos[t*K+j] >= 0 of w[t,j] * y[p, h]),
 // each product rounded to f32 then added, from +0 (the CPU's unpermute of the f32 y).
+// unweighted (apply_router_weight_on_input): every w[t,j] reads as 1, and 1 * y == y.
 template <bool VEC>
 __global__ void __launch_bounds__(kAuxThreads, 1)
 fe_combine(const float* __restrict__ y, int64_t ldy, const float* __restrict__ w, int64_t ldw_t, int64_t ldw_k,
-           const int32_t* __restrict__ dst_pos, int64_t T, int64_t K, int64_t H, uint16_t* __restrict__ out) {
+           const int32_t* __restrict__ dst_pos, int64_t T, int64_t K, int64_t H, uint16_t* __restrict__ out,
+           bool unweighted) {
   constexpr int NE = VEC ? 4 : 1;
   const int64_t chunks = H / NE;
   const int64_t c0 = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, cstep = int64_t(gridDim.x) * blockDim.x;
@@ -601,7 +631,7 @@ fe_combine(const float* __restrict__ y, int64_t ldy, const float* __restrict__ w
       for (int64_t j = 0; j < K; ++j) {
         const int32_t p = dst_pos[t * K + j];
         if (p < 0) continue;
-        const float wj = w[t * ldw_t + j * ldw_k];
+        const float wj = unweighted ? 1.0f : w[t * ldw_t + j * ldw_k];
         float v[NE];
         if constexpr (VEC) unpack4_f32(ld16(y + int64_t(p) * ldy + h), v);
         else v[0] = y[int64_t(p) * ldy + h];
@@ -823,11 +853,29 @@ int fused_experts_launch(const FusedExpertsArgs& a, Stream s) {
   g1.lda = a.ldx;
   g1.src_row = src_row;
   g1.topk = a.K;
+  bool x_vec = aligned16(a.x) && (a.ldx * 2) % 16 == 0;
+  if (a.apply_router_weight_on_input) {
+    // The weighted rows xg [R, ldg] bf16 in y's region (R * ldg * 2 <= R * ldy * 4 bytes, since
+    // up(H, 8) <= 2 * up(H, 4)); GEMM1 reads row p at xg + p * ldg, GEMM2 overwrites it later.
+    uint16_t* xg = reinterpret_cast<uint16_t*>(y);
+    const int64_t ldg = up(a.H, 8);
+    int64_t bx = cdiv(ldg, kAuxThreads);
+    if (bx > 64) bx = 64;
+    const int64_t by = R < 65535 ? R : 65535;
+    MOELAB_LAUNCH(fe_gather_weighted, dim3(unsigned(bx), unsigned(by)), dim3(kAuxThreads), 0, s,
+                  static_cast<const uint16_t*>(a.x), a.ldx, a.topk_weights, a.ldw_t, a.ldw_k, src_row, offsets, a.E,
+                  a.K, a.H, xg, ldg, R);
+    MOELAB_GPU_LAUNCHED();
+    g1.act = xg;
+    g1.lda = ldg;
+    g1.src_row = nullptr;
+    x_vec = true;
+  }
   g1.out = h;
   g1.ldo = l.ldh;
   g1.out_bf16 = true;
   g1.offsets = offsets;
-  const bool vec1 = aligned16(a.w13) && row_bytes(q, g1.K) % 16 == 0 && aligned16(a.x) && (a.ldx * 2) % 16 == 0;
+  const bool vec1 = aligned16(a.w13) && row_bytes(q, g1.K) % 16 == 0 && x_vec;
   st = launch_gemm(q, g1, vec1, small, tiled, counts, tb, b, s);
   if (st != kOk) return st;
 
@@ -870,10 +918,10 @@ int fused_experts_launch(const FusedExpertsArgs& a, Stream s) {
     const dim3 grid(unsigned(bx), unsigned(a.T < 65535 ? a.T : 65535));
     if (vec)
       MOELAB_LAUNCH(fe_combine<true>, grid, dim3(kAuxThreads), 0, s, y, l.ldy, a.topk_weights, a.ldw_t, a.ldw_k,
-                    dst_pos, a.T, a.K, a.H, a.out);
+                    dst_pos, a.T, a.K, a.H, a.out, a.apply_router_weight_on_input);
     else
       MOELAB_LAUNCH(fe_combine<false>, grid, dim3(kAuxThreads), 0, s, y, l.ldy, a.topk_weights, a.ldw_t, a.ldw_k,
-                    dst_pos, a.T, a.K, a.H, a.out);
+                    dst_pos, a.T, a.K, a.H, a.out, a.apply_router_weight_on_input);
     MOELAB_GPU_LAUNCHED();
   }
   return kOk;

@@ -167,6 +167,8 @@ struct FusedExpertsArgs {
   int64_t T, K, E, H, I;
   int policy;                 // FePolicy
   int64_t m_cross;
+  bool apply_router_weight_on_input;   // SPEC 6: slot j's input is bf16(x[t] * bf16(w[t, j])),
+                                       // out[t] = bf16(sum_j y_j) unweighted (false: SPEC 5)
   uint16_t* out;              // [T, H] bf16, contiguous
   void* workspace;            // fused_experts_workspace_bytes(T, K, E, H, I) bytes, 256-byte aligned
   int64_t workspace_bytes;
@@ -175,6 +177,8 @@ struct FusedExpertsArgs {
 // kPermuteStatusWords int32 are the status block: [0] = 1 when an id is outside
 // [-1, E), the value at [2, 3]), offsets, src_row, dst_pos, the work lists, and the
 // intermediates h [T*K, 2I] bf16, a [T*K, I] bf16 and y [T*K, H] f32 (rows padded to 16 bytes).
+// With apply_router_weight_on_input the weighted rows of GEMM1's input live in y's region until
+// GEMM2 overwrites it: the size does not depend on the flag.
 int64_t fused_experts_workspace_bytes(int64_t T, int64_t K, int64_t E, int64_t H, int64_t I);
 int fused_experts_launch(const FusedExpertsArgs& args, Stream stream);
 

@@ -1,11 +1,14 @@
 // Binding of moelab::fused_experts and moelab::prepack_moe_weight (CPU).
 //
 // fused_experts runs the pipeline of docs/fused_experts.md: group rows (permute_plan), gather
-// x rows (permute_rows), GEMM1 items, activation rows, GEMM2 items, combine
-// (unpermute_tokens in f32, then one bf16 rounding). Every pass is an at::parallel_for over
-// independent outputs, so the result does not depend on the thread count. Everything a
-// kernel relies on is re-checked here, so a direct torch.ops.moelab call with hostile
-// arguments raises RuntimeError instead of reading or writing out of bounds.
+// x rows (permute_rows; with apply_router_weight_on_input, fused_experts_gather_weighted:
+// bf16(x[t] * bf16(w[t, j])) per row), GEMM1 items, activation rows, GEMM2 items, combine
+// (unpermute_tokens in f32, weighted, or unweighted with the flag; then one bf16 rounding).
+// Every pass is an at::parallel_for over independent outputs, so the result does not depend
+// on the thread count. Everything a kernel relies on is re-checked here, so a direct
+// torch.ops.moelab call with hostile arguments raises RuntimeError instead of reading or
+// writing out of bounds. (apply_router_weight_on_input is a schema bool: a value the dispatcher
+// cannot read as one is refused there, naming the op and the argument.)
 #include <cmath>
 #include <memory>
 #include <string>
@@ -150,7 +153,8 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
                              const c10::optional<at::Tensor>& w2_slow,
                              const c10::optional<at::Tensor>& w13_bias,
                              const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
-                             double alpha, double limit, int64_t policy, int64_t m_cross) {
+                             double alpha, double limit, int64_t policy, int64_t m_cross,
+                             bool apply_router_weight_on_input) {
   check_cpu(x, kOp, "x", 2, {at::kBFloat16}, /*contiguous=*/false);
   const int64_t T = x.size(0), H = x.size(1);
   MOELAB_CHECK(T == 0 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
@@ -215,8 +219,17 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   float* yb = reinterpret_cast<float*>(ws + b_xg + b_h + b_a);
   float* ob = reinterpret_cast<float*>(ws + b_xg + b_h + b_a + b_y);
 
-  // 2. Gather x rows, padded to an even width (the k pairs).
-  {
+  // 2. Gather x rows, padded to an even width (the k pairs). With apply_router_weight_on_input
+  // the gather applies the router weight: row p (slot t*K + j) = bf16(x[t] * bf16(w[t, j])).
+  if (apply_router_weight_on_input) {
+    auto* fn = MOELAB_PICK(fused_experts_gather_weighted);
+    const uint16_t* xp = static_cast<const uint16_t*>(x.data_ptr());
+    const float* wp = topk_weights.data_ptr<float>();
+    const int64_t ldx = x.stride(0), ldw_t = topk_weights.stride(0), ldw_k = topk_weights.stride(1);
+    at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+      fn(xp, ldx, wp, ldw_t, ldw_k, src_row.data(), K, H, xg, Hp, p0, p1);
+    });
+  } else {
     const char* xp = static_cast<const char*>(x.data_ptr());
     char* gp = reinterpret_cast<char*>(xg);
     const int64_t ldx = x.stride(0) * 2;
@@ -292,12 +305,16 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   g2.items = items2.data();
   run_gemm(g2, int64_t(items2.size() / 2));
 
-  // 6. Combine in f32, j ascending (the permute op's unpermute), then one bf16 rounding.
+  // 6. Combine in f32, j ascending (the permute op's unpermute), then one bf16 rounding. With
+  // apply_router_weight_on_input the sum is unweighted: every slot's weight reads the one 1.0f
+  // (strides 0), and 1.0f * y == y exactly, so this is sum_j y_j in the same order.
   {
     auto* fn = MOELAB_PICK(unpermute_tokens);
     const float* yp = yb;
-    const float* wp = topk_weights.data_ptr<float>();
-    const int64_t ldw_t = topk_weights.stride(0), ldw_k = topk_weights.stride(1);
+    static const float kOne = 1.0f;
+    const float* wp = apply_router_weight_on_input ? &kOne : topk_weights.data_ptr<float>();
+    const int64_t ldw_t = apply_router_weight_on_input ? 0 : topk_weights.stride(0);
+    const int64_t ldw_k = apply_router_weight_on_input ? 0 : topk_weights.stride(1);
     float* op = ob;
     at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * K)), [&](int64_t t0, int64_t t1) {
       fn(yp, Fmt::kF32, H, wp, ldw_t, ldw_k, dst_pos.data(), K, H, op, t0, t1);
@@ -368,7 +385,7 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
   m.def("fused_experts(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
         "str quant, bool packed, int E, int I, Tensor? w13_scale, Tensor? w2_scale, Tensor? w13_slow, "
         "Tensor? w2_slow, Tensor? w13_bias, Tensor? w2_bias, str activation, float alpha, float limit, "
-        "int policy, int m_cross) -> Tensor");
+        "int policy, int m_cross, bool apply_router_weight_on_input=False) -> Tensor");
   m.def("prepack_moe_weight(Tensor w, Tensor? scale, str quant) -> (Tensor, Tensor, Tensor)");
 }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) {

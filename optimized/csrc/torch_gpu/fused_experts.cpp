@@ -74,7 +74,8 @@ at::Tensor fused_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const 
                               const std::optional<at::Tensor>& w2_scale, const std::optional<at::Tensor>& w13_slow,
                               const std::optional<at::Tensor>& w2_slow, const std::optional<at::Tensor>& w13_bias,
                               const std::optional<at::Tensor>& w2_bias, c10::string_view activation, double alpha,
-                              double limit, int64_t policy, int64_t m_cross) {
+                              double limit, int64_t policy, int64_t m_cross,
+                              bool apply_router_weight_on_input) {
   check_gpu(x, kOp, "x", 2, {at::kBFloat16}, /*contiguous=*/false);
   const int64_t T = x.size(0), H = x.size(1);
   MOELAB_CHECK(T == 0 || H <= 1 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
@@ -153,6 +154,7 @@ at::Tensor fused_experts_cuda(const at::Tensor& x, const at::Tensor& w13, const 
   a.I = I;
   a.policy = int(policy);
   a.m_cross = m_cross;
+  a.apply_router_weight_on_input = apply_router_weight_on_input;   // SPEC 6 (csrc/gpu/fused_experts.cu)
   a.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   a.workspace = base;
   a.workspace_bytes = bytes;

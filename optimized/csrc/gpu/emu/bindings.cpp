@@ -135,13 +135,14 @@ py::tuple skinny_gemm(const at::Tensor& x, const at::Tensor& w, const std::optio
   return py::make_tuple(st, out);
 }
 // fused_experts: the launcher on CPU tensors. ws_bytes < 0: exactly the size the launcher asks
-// for (filled with garbage, as reused memory); quant: 0 bf16, 1 fp8_block, 2 mxfp4 (FeQuant).
+// for (filled with garbage, as reused memory); quant: 0 bf16, 1 fp8_block, 2 mxfp4 (FeQuant);
+// weighted_input: apply_router_weight_on_input (SPEC 6; keyword, default False).
 // Returns (status, out [T, H] bf16 poisoned with NaN before the call, the 4 status words).
 py::tuple fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2, const at::Tensor& tw,
                         const at::Tensor& ids, int64_t quant, const std::optional<at::Tensor>& s13,
                         const std::optional<at::Tensor>& s2, const std::optional<at::Tensor>& b13,
                         const std::optional<at::Tensor>& b2, int64_t act, double alpha, double limit, int64_t policy,
-                        int64_t m_cross, int64_t E, int64_t I, int64_t ws_bytes) {
+                        int64_t m_cross, int64_t E, int64_t I, int64_t ws_bytes, bool weighted_input) {
   const int64_t T = x.size(0), H = x.size(1), K = ids.size(1);
   at::Tensor out = poison({T, H}, at::kBFloat16);
   const int64_t need = gpu::fused_experts_workspace_bytes(T, K, E, H, I);
@@ -177,6 +178,7 @@ py::tuple fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Te
   a.I = I;
   a.policy = int(policy);
   a.m_cross = m_cross;
+  a.apply_router_weight_on_input = weighted_input;
   a.out = reinterpret_cast<uint16_t*>(out.data_ptr());
   a.workspace = base;
   a.workspace_bytes = ws_bytes;
@@ -199,7 +201,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unpermute", &unpermute);
   m.def("router_gemm", &router_gemm);
   m.def("skinny_gemm", &skinny_gemm);
-  m.def("fused_experts", &fused_experts);
+  m.def("fused_experts", &fused_experts, py::arg("x"), py::arg("w13"), py::arg("w2"), py::arg("tw"), py::arg("ids"),
+        py::arg("quant"), py::arg("s13"), py::arg("s2"), py::arg("b13"), py::arg("b2"), py::arg("act"),
+        py::arg("alpha"), py::arg("limit"), py::arg("policy"), py::arg("m_cross"), py::arg("E"), py::arg("I"),
+        py::arg("ws_bytes"), py::arg("weighted_input") = false);
   m.def("fused_experts_workspace_bytes", &gpu::fused_experts_workspace_bytes);
   m.attr("has_wave64") = bool(MOELAB_HIP);
 #if MOELAB_SANITIZE
