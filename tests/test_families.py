@@ -56,19 +56,6 @@ MIN_GAP = 1e-3
 # rounds the combined output once, so ours has strictly fewer roundings.
 C_BF16 = 1.0
 
-# Optimized kernels that the SPEC 6 amendments extend in parallel (branches route-amend and
-# fe-input-weight). A family's optimized check is an expected failure only where the optimized op
-# raises for the new argument (raises=...), so it turns into a failure (strict XPASS) once the
-# kernels land. The one exception is documented by SPEC 6 itself: "today an explicit False is
-# accepted and ignored" for renormalize on the biased methods, so deepseek_v3_no_norm silently
-# gets renormalized weights from the optimized route until route-amend lands.
-_RAISES = (RuntimeError, TypeError, ValueError, NotImplementedError)
-_OPT_PENDING = {
-    "llama4": ("optimized fused_experts' apply_router_weight_on_input lands with branch fe-input-weight",
-               _RAISES),
-}
-
-
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.to(torch.float64), b.to(torch.float64)
     return ((a - b).abs().max() / b.abs().max()).item()
@@ -292,18 +279,7 @@ def test_bf16_reference_at_least_as_close_as_transformers(name):
     _check_ours(name, ours, "reference")
 
 
-def _optimized_params():
-    out = []
-    for n in NAMES:
-        if n in _OPT_PENDING:
-            reason, raises = _OPT_PENDING[n]
-            out.append(pytest.param(n, marks=pytest.mark.xfail(strict=True, raises=raises, reason=reason)))
-        else:
-            out.append(n)
-    return out
-
-
-@pytest.mark.parametrize("name", _optimized_params())
+@pytest.mark.parametrize("name", NAMES)
 def test_bf16_optimized_at_least_as_close_as_transformers(name):
     import optimized
     fam, x16, w16, *_ = _bf16_case(name)
