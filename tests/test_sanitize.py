@@ -128,7 +128,7 @@ def test_emulated_controls_pass_with_harmless_arguments(sanitized_emu):
     p = _run(_EMU + "print(m.control_dynamic_smem_read(torch.arange(10.), 9), m.control_static_smem_read(63), "
                     "m.control_int_index(1000, 1000))\n"
                     "x = torch.randn(3, 64)\n"
-                    "print(m.route(x, 4, 3, torch.randn(64), 1, 1, 1.0, False)[0])")
+                    "print(m.route(x, 4, 3, torch.randn(64), 1, 1, 1.0, True, 1e-20)[0])")
     assert p.returncode == 0, p.stderr[-6000:]
     assert p.stdout.split() == ["9.0", "63.0", "1000000", "0"], p.stdout
 
@@ -142,7 +142,7 @@ def _fiber_frames(stderr: str) -> bool:
 def test_asan_reports_emulated_kernel_reading_past_an_input(sanitized_emu):
     # route's launcher takes bias as a bare pointer: a bias of E - 1 floats cannot be detected there,
     # and the kernel reads bias[E - 1], 4 bytes past the tensor.
-    p = _run(_EMU + "x = torch.randn(3, 64)\nprint(m.route(x, 4, 3, torch.randn(63), 1, 1, 1.0, False))")
+    p = _run(_EMU + "x = torch.randn(3, 64)\nprint(m.route(x, 4, 3, torch.randn(63), 1, 1, 1.0, True, 1e-20))")
     assert p.returncode != 0, "the kernel's out-of-bounds read was not caught:\n" + p.stdout + p.stderr[-3000:]
     assert "ERROR: AddressSanitizer: heap-buffer-overflow" in p.stderr and "READ of size 4" in p.stderr, \
         p.stderr[-6000:]
