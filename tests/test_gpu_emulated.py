@@ -462,11 +462,16 @@ def test_fused_experts_bitwise_with_the_cpu_kernel(emu, quant):
             assert same_bits(small, cpu) and same_bits(tiled, cpu), (act, level)
 
 
-def test_fused_experts_small_path_is_batch_invariant(emu):
+@pytest.mark.parametrize("weighted_input", [False, True])
+def test_fused_experts_small_path_is_batch_invariant(emu, weighted_input):
     """A token's output is the same bits alone (T = 1: 1 row per unit) or in batches of 2, 3, 5
-    and 7 (2, 4 and 8 rows per unit) or shuffled, on order-sensitive inputs; the tiled path's
-    bits differ there, which is why batch-invariant mode keeps every block on the small path."""
+    and 7 (2, 4 and 8 rows per unit) or shuffled, on order-sensitive inputs, with and without
+    apply_router_weight_on_input; the tiled path's bits differ there, which is why
+    batch-invariant mode keeps every block on the small path."""
     x, w13, w2, tw, ids, kw = fe_cancelling("fp8_block", "swiglu_oai", T=7)
+    if weighted_input:
+        from tests.test_fused_experts_optimized import spread_weights, weighted
+        tw, kw = spread_weights(tw), weighted(kw)
     full = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
     for t in (0, 3, 6):
         one = fe_ok(emu, x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], kw, FE_SMALL)
@@ -475,7 +480,8 @@ def test_fused_experts_small_path_is_batch_invariant(emu):
         assert same_bits(fe_ok(emu, x[:n], w13, w2, tw[:n], ids[:n], kw, FE_SMALL), full[:n]), n
     perm = torch.randperm(7, generator=torch.Generator().manual_seed(2))
     assert same_bits(fe_ok(emu, x[perm], w13, w2, tw[perm], ids[perm], kw, FE_SMALL), full[perm])
-    assert not same_bits(fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED), full)
+    if not weighted_input:
+        assert not same_bits(fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED), full)
 
 
 def test_fused_experts_special_weights_and_dropped_rows(emu):
@@ -624,23 +630,6 @@ def test_fused_experts_weighted_input_bitwise_with_the_cpu_kernel(emu, quant):
                 plain = dict(kw, apply_router_weight_on_input=False)
                 xw = (x.float() * tw).bfloat16()
                 assert same_bits(fe_ok(emu, xw, w13, w2, torch.ones(T, 1), ids, plain, FE_SMALL), small)
-
-
-def test_fused_experts_weighted_input_small_path_is_batch_invariant(emu):
-    """With the flag, a token alone or in batches of 2, 3 and 5 or shuffled gives the same bits on
-    the small path, on order-sensitive inputs."""
-    from tests.test_fused_experts_optimized import spread_weights, weighted
-    x, w13, w2, tw, ids, kw = fe_cancelling("fp8_block", "swiglu_oai", T=7)
-    tw = spread_weights(tw)
-    kw = weighted(kw)
-    full = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_SMALL)
-    for t in (0, 3, 6):
-        one = fe_ok(emu, x[t:t + 1], w13, w2, tw[t:t + 1], ids[t:t + 1], kw, FE_SMALL)
-        assert same_bits(one[0], full[t]), t
-    for n in (2, 3, 5):
-        assert same_bits(fe_ok(emu, x[:n], w13, w2, tw[:n], ids[:n], kw, FE_SMALL), full[:n]), n
-    perm = torch.randperm(7, generator=torch.Generator().manual_seed(4))
-    assert same_bits(fe_ok(emu, x[perm], w13, w2, tw[perm], ids[perm], kw, FE_SMALL), full[perm])
 
 
 def test_fused_experts_weighted_input_workspace_unchanged(emu):
