@@ -12,8 +12,11 @@ that fp8 weights are rounded to bf16 (relative error <= 2^-8 per weight); bf16 a
 weights are exact in bf16.
 
 Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked VNNI
-layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
-standard-layout weights need.
+layout); `fused_experts(x, packed, None, ...)` then runs without any packing. Standard-layout
+CPU weights are packed invisibly: the pack cache (optimized/pack_cache.py) packs each expert
+the first time it is routed to, keeps the packed copy while the weights live and are not
+changed, and runs the prepacked path on it (same bits); MOELAB_PACK_CACHE=0 turns it off
+(every call then repacks its routed tiles in per-thread scratch).
 
 apply_router_weight_on_input=True (SPEC 6, Llama 4) is done inside the kernels: the row gather
 writes bf16(x[t] * bf16(w[t, j])) for slot j (exact: one f32 product of two bf16 values, one
@@ -38,6 +41,7 @@ from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_
 from . import _fake
 from . import dispatch as _dispatch
 from . import gpu
+from . import pack_cache as _pack_cache
 
 __all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
 
@@ -199,6 +203,14 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
                                            apply_router_weight_on_input=apply_router_weight_on_input)
         args = (w13, w2)
         slow13 = slow2 = None
+        if x.device.type == "cpu" and topk_ids.numel():
+            # Standard layout on the CPU: the pack cache (optimized/pack_cache.py) packs the routed
+            # experts not packed yet, once, and the call runs the prepacked path (same bits).
+            pk = _pack_cache.packed_weights(w13, w2, w13_scale, w2_scale, quant, topk_ids)
+            if pk is not None:
+                packed = True
+                args = pk[:2]
+                w13_scale, w2_scale, slow13, slow2 = pk[2:]
     T, K = topk_ids.shape
     plan = _dispatch.fused_experts_gpu_plan if x.device.type == "cuda" else _dispatch.fused_experts_plan
     code, m_cross, _ = plan(T, K, E, quant, dispatch)
