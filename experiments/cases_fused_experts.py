@@ -113,6 +113,28 @@ class ShapeData:
                                        w13_bias=self.b13, w2_bias=self.b2, activation=s["activation"],
                                        dispatch=dispatch)
 
+    def standard(self) -> Rotating:
+        """Standard-layout weights (rotating cold copies, built on first use), every copy's
+        pack-cache entry filled for all experts (`warm_pack_cache`), so that calls measure the
+        cache's steady state ("from the second call on"). Each copy is a different weight set,
+        so each has its own entry; the cap must hold them all (checked by the caller)."""
+        if getattr(self, "_std", None) is None:
+            s = self.s
+            E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
+            seeds = iter(range(2000, 3000))
+            self._std = Rotating(lambda: random_weights(q, E, H, I, seed=next(seeds)), E * self.expert_bytes)
+            for w in self._std.items:
+                warm_pack_cache(w, s)
+        return self._std
+
+    def cached(self, x, tw, ids, dispatch="auto"):
+        """Standard-layout weights through the pack cache (optimized/pack_cache.py)."""
+        s = self.s
+        w13, w2, s13, s2 = self.standard().next()
+        return optimized.fused_experts(x, w13, w2, tw, ids, quant=s["quant"], w13_scale=s13, w2_scale=s2,
+                                       w13_bias=self.b13, w2_bias=self.b2, activation=s["activation"],
+                                       dispatch=dispatch)
+
     def eager_call(self, x, tw, ids):
         W13, W2 = self.eager.next()
         return eager_moe(x, W13, W2, tw, ids, self.s["activation"], self.eb13, self.eb2)
@@ -122,6 +144,16 @@ class ShapeData:
 
     def flops(self, ids) -> float:
         return 2.0 * int((ids >= 0).sum()) * 3 * self.s["H"] * self.s["I"]
+
+
+def warm_pack_cache(w, s) -> None:
+    """One call routing every expert of weight set w, so its pack-cache entry is complete."""
+    E, K, H = s["E"], s["K"], s["H"]
+    ids = torch.arange(E, dtype=torch.int32).reshape(-1, K) if E % K == 0 else \
+        torch.arange(E, dtype=torch.int32).reshape(-1, 1)
+    tw = torch.full(ids.shape, 1.0 / ids.shape[1])
+    optimized.fused_experts(torch.zeros(ids.shape[0], H, dtype=torch.bfloat16), w[0], w[1], tw, ids,
+                            quant=s["quant"], w13_scale=w[2], w2_scale=w[3], activation=s["activation"])
 
 
 def eager_moe(x, W13, W2, tw, ids, activation, b13=None, b2=None, alpha=1.702, limit=7.0):
@@ -206,6 +238,10 @@ def cases(quick: bool):
         out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T}",
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
+                        nbytes=nbytes, target=target))
+        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T} standard layout (cached)",
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.cached(x, tw, ids)),
                         nbytes=nbytes, target=target))
     if not quick:
         for name in ("qwen3-30b-a3b", "gpt-oss-20b"):
@@ -388,6 +424,61 @@ def run_targets(quick: bool, rounds: int):
     return bw, bw_best, rows
 
 
+CACHED_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b")
+CACHED_T = (1, 4, 16)
+
+
+def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), rounds: int = 7,
+               min_time: float = 0.05, progress=None) -> list[dict]:
+    """Issue 18: standard-layout weights through the pack cache against the same weights
+    prepacked, decode (uniform routing), side by side in interleaved rounds (timing.compare),
+    both rotating through cold copies. Every standard copy's entry is filled before timing
+    (`ShapeData.standard`), so this is the steady state from the second call on; the rows
+    record the cache's counters around the timing (no eviction, no packing may happen).
+    ratio = prepacked time / cached time per round = cached bandwidth / prepacked bandwidth
+    (the same bytes): median, min, max over the rounds."""
+    from optimized import pack_cache
+    rows = []
+    old = torch.get_num_threads()
+    try:
+        for name in shapes:
+            _current.clear()
+            pack_cache.clear()
+            d = shape_data(name, eager=False)
+            s = d.s
+            d.standard()
+            for th in threads:
+                torch.set_num_threads(th)
+                for T in batch_sizes:
+                    tw, ids = routing("uniform", T, s["E"], s["K"], seed=T)
+                    x = _x(T, s["H"])
+                    before = pack_cache.stats()
+                    t = timing.compare({"prepacked": lambda: d.ours(x, tw, ids),
+                                        "cached": lambda: d.cached(x, tw, ids)}, rounds=rounds, min_time=min_time)
+                    after = pack_cache.stats()
+                    nbytes = d.routed_bytes(ids)
+                    r = timing.ratio(t["prepacked"], t["cached"])
+                    row = {"shape": name, "quant": s["quant"], "T": T, "threads": th,
+                           "prepacked_us": t["prepacked"].median * 1e6, "cached_us": t["cached"].median * 1e6,
+                           "prepacked_min_us": min(t["prepacked"].times) * 1e6,
+                           "cached_min_us": min(t["cached"].times) * 1e6,
+                           "prepacked_GBps": nbytes / t["prepacked"].median / 1e9,
+                           "cached_GBps": nbytes / t["cached"].median / 1e9,
+                           "bw_ratio": r[0], "bw_ratio_min": r[1], "bw_ratio_max": r[2], "rounds": rounds,
+                           "copies": len(d.standard().items),
+                           "cache_entries": after["entries"], "cache_bytes": after["bytes"],
+                           "evicted_during": after["evicted"] - before["evicted"],
+                           "packed_during": after["experts_packed"] - before["experts_packed"],
+                           "load_after": _loadavg().split()[0]}
+                    rows.append(row)
+                    if progress:
+                        progress(row)
+    finally:
+        torch.set_num_threads(old)
+        _current.clear()
+    return rows
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.cases_fused_experts", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -399,10 +490,28 @@ def main(argv=None) -> int:
     p.add_argument("--grid-rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=None, help="folder for fused_experts_targets.csv / _grid.csv")
+    p.add_argument("--cached", default=None, metavar="NAME",
+                   help="only the issue-18 comparison (standard layout through the pack cache vs prepacked, "
+                        "decode, 1 and 2 threads); rows to results/<machine>/NAME.csv")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
+    if a.cached:
+        print(f"# load average {_loadavg()}; cached/prepacked bandwidth = median of per-round time ratios "
+              f"prepacked/cached ({a.rounds} interleaved rounds, min..max)", flush=True)
+
+        def show(r):
+            print(f"{r['shape']:<15}{r['quant']:<10}T={r['T']:<3} threads={r['threads']}  prepacked "
+                  f"{r['prepacked_us']:8.0f} us {r['prepacked_GBps']:5.1f} GB/s  cached {r['cached_us']:8.0f} us "
+                  f"{r['cached_GBps']:5.1f} GB/s  cached/prepacked {r['bw_ratio']:.3f} ({r['bw_ratio_min']:.3f}.."
+                  f"{r['bw_ratio_max']:.3f})  evicted {r['evicted_during']} packed {r['packed_during']} "
+                  f"load {r['load_after']}", flush=True)
+
+        rows = run_cached(rounds=a.rounds, progress=show)
+        print(f"# load average at the end {_loadavg()}")
+        print("wrote", timing.write_csv(a.cached, rows))
+        return 0
     if not a.no_targets:
         bw, bw_best, rows = run_targets(a.quick, a.rounds)
         print(f"read bandwidth (same run): {bw / 1e9:.1f} GB/s median, {bw_best / 1e9:.1f} GB/s best round; "
