@@ -103,6 +103,16 @@ def _prepack_fake(w, scale, quant):
             w.new_empty((E, -(-N // 64)), dtype=torch.uint8))
 
 
+@torch.library.register_fake("moelab::pack_moe_experts")
+def _pack_experts_fake(topk_ids, done, w13, w13_scale, w2, w2_scale, quant, p13, q13, f13, p2, q2, f2):
+    # The pack cache's op (optimized/pack_cache.py) is never traced (the cache is off under
+    # torch.compile); this fake exists for the device checks every op makes.
+    _fake.check("pack_moe_experts", ("topk_ids", topk_ids, 2), ("done", done, 1), ("w13", w13, 3),
+                ("w13_scale", w13_scale, None), ("w2", w2, 3), ("w2_scale", w2_scale, None), ("p13", p13, 2),
+                ("q13", q13, None), ("f13", f13, 2), ("p2", p2, 2), ("q2", q2, None), ("f2", f2, 2))
+    return 0
+
+
 def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
                         w13_scale: Optional[torch.Tensor] = None,
                         w2_scale: Optional[torch.Tensor] = None) -> PackedMoEWeights:

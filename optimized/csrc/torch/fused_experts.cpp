@@ -476,6 +476,36 @@ int64_t pack_experts_cpu(const at::Tensor& topk_ids, const at::Tensor& done, con
   return int64_t(todo.size());
 }
 
+// pack_moe_experts for tensors with the negative bit (torch._neg_view): like permute_out
+// (csrc/torch/permute.cpp), torch's generic Negative fallback mishandles mutable arguments
+// that are not returned, so a buffer with the bit is refused (the op writes raw bytes) and an
+// input with it is materialized before the backend kernel runs.
+int64_t pack_experts_negative(const at::Tensor& topk_ids, const at::Tensor& done, const at::Tensor& w13,
+                              const c10::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
+                              const c10::optional<at::Tensor>& w2_scale, c10::string_view quant,
+                              const at::Tensor& p13, const c10::optional<at::Tensor>& q13, const at::Tensor& f13,
+                              const at::Tensor& p2, const c10::optional<at::Tensor>& q2, const at::Tensor& f2) {
+  const std::pair<const at::Tensor*, const char*> outs[] = {
+      {&done, "done"}, {&p13, "p13"}, {&f13, "f13"}, {&p2, "p2"}, {&f2, "f2"},
+      {q13.has_value() ? &*q13 : nullptr, "q13"}, {q2.has_value() ? &*q2 : nullptr, "q2"}};
+  for (const auto& [t, name] : outs)
+    MOELAB_CHECK(t == nullptr || !t->is_neg(), "pack_moe_experts", name,
+                 "must not be a negative view (torch._neg_view): the op writes its buffers as they are");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("moelab::pack_moe_experts", "")
+                       .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, c10::string_view, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&)>();
+  c10::impl::ExcludeDispatchKeyGuard no_neg(c10::DispatchKey::Negative);
+  auto res = [](const c10::optional<at::Tensor>& t) -> c10::optional<at::Tensor> {
+    return t.has_value() ? c10::optional<at::Tensor>(t->resolve_neg()) : c10::nullopt;
+  };
+  return op.call(topk_ids.resolve_neg(), done, w13.resolve_neg(), res(w13_scale), w2.resolve_neg(), res(w2_scale),
+                 quant, p13, q13, f13, p2, q2, f2);
+}
+
 const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512Bf16);
 
 }  // namespace
@@ -496,3 +526,4 @@ TORCH_LIBRARY_IMPL(moelab, CPU, m) {
   m.impl("prepack_moe_weight", &moelab::prepack_cpu);
   m.impl("pack_moe_experts", &moelab::pack_experts_cpu);
 }
+TORCH_LIBRARY_IMPL(moelab, Negative, m) { m.impl("pack_moe_experts", &moelab::pack_experts_negative); }
