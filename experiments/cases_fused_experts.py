@@ -428,8 +428,27 @@ CACHED_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b")
 CACHED_T = (1, 4, 16)
 
 
+def _same_buffers(d: ShapeData) -> Rotating:
+    """PackedMoEWeights over the pack cache's own buffers of each standard copy (the control of
+    `run_cached(control=True)`: the prepacked path reading the very memory the cached path
+    reads, so cached vs this is the cache's bookkeeping alone, and prepacked vs this is where
+    the two sets of buffers happen to sit in memory)."""
+    from optimized import pack_cache
+    from optimized.fused_experts import PackedMoEWeights
+    s = d.s
+    E, K, H, I, q = s["E"], s["K"], s["H"], s["I"], s["quant"]
+    ids = torch.arange(E, dtype=torch.int32).reshape(-1, K)
+    items = []
+    for w13, w2, s13, s2 in d.standard().items:
+        p13, p2, q13, q2, f13, f2 = pack_cache.packed_weights(w13, w2, s13, s2, q, ids)
+        items.append(PackedMoEWeights(q, E, H, I, p13, p2, q13, q2, f13, f2))
+    r = Rotating.__new__(Rotating)
+    r.items, r.i = items, 0
+    return r
+
+
 def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), rounds: int = 7,
-               min_time: float = 0.05, progress=None) -> list[dict]:
+               min_time: float = 0.05, progress=None, control: bool = False) -> list[dict]:
     """Issue 18: standard-layout weights through the pack cache against the same weights
     prepacked, decode (uniform routing), side by side in interleaved rounds (timing.compare),
     both rotating through cold copies. Every standard copy's entry is filled before timing
@@ -447,14 +466,19 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
             d = shape_data(name, eager=False)
             s = d.s
             d.standard()
+            same = _same_buffers(d) if control else None
             for th in threads:
                 torch.set_num_threads(th)
                 for T in batch_sizes:
                     tw, ids = routing("uniform", T, s["E"], s["K"], seed=T)
                     x = _x(T, s["H"])
                     before = pack_cache.stats()
-                    t = timing.compare({"prepacked": lambda: d.ours(x, tw, ids),
-                                        "cached": lambda: d.cached(x, tw, ids)}, rounds=rounds, min_time=min_time)
+                    fns = {"prepacked": lambda: d.ours(x, tw, ids), "cached": lambda: d.cached(x, tw, ids)}
+                    if control:
+                        fns["same_buffers"] = lambda: optimized.fused_experts(
+                            x, same.next(), None, tw, ids, quant=s["quant"], w13_bias=d.b13, w2_bias=d.b2,
+                            activation=s["activation"])
+                    t = timing.compare(fns, rounds=rounds, min_time=min_time)
                     after = pack_cache.stats()
                     nbytes = d.routed_bytes(ids)
                     r = timing.ratio(t["prepacked"], t["cached"])
@@ -470,12 +494,61 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
                            "evicted_during": after["evicted"] - before["evicted"],
                            "packed_during": after["experts_packed"] - before["experts_packed"],
                            "load_after": _loadavg().split()[0]}
+                    if control:
+                        rc = timing.ratio(t["same_buffers"], t["cached"])
+                        rp = timing.ratio(t["prepacked"], t["same_buffers"])
+                        row.update(same_buffers_us=t["same_buffers"].median * 1e6, cached_vs_same=rc[0],
+                                   cached_vs_same_min=rc[1], cached_vs_same_max=rc[2], same_vs_prepacked=rp[0],
+                                   same_vs_prepacked_min=rp[1], same_vs_prepacked_max=rp[2])
                     rows.append(row)
                     if progress:
                         progress(row)
     finally:
         torch.set_num_threads(old)
         _current.clear()
+    return rows
+
+
+def cache_costs(shapes=CACHED_SHAPES, reps: int = 200) -> list[dict]:
+    """The pack cache's own costs per shape, on the current threads: `hit_us`, the per-call
+    bookkeeping of a call whose experts are all packed (key check + the pack op's id scan,
+    T=1, median of `reps`); `first_us`, a T=1 decode's first call on fresh weights (packs its
+    K experts, then runs) and `pack_us_per_expert` = its packing part per expert (the first
+    call's time minus a warm call's, over K); `prepack_all_s`, prepack_moe_weights of all E."""
+    import time
+    from optimized import pack_cache
+    rows = []
+    for name in shapes:
+        s = SHAPES[name]
+        E, K, H, I, q = s["E"], s["K"], s["H"], s["I"], s["quant"]
+        w = random_weights(q, E, H, I, seed=11)
+        tw, ids = routing("uniform", 1, E, K, seed=1)
+        x = _x(1, H)
+        kw = dict(quant=q, w13_scale=w[2], w2_scale=w[3], activation=s["activation"])
+        pack_cache.clear()
+        t0 = time.perf_counter()
+        optimized.fused_experts(x, w[0], w[1], tw, ids, **kw)
+        first = time.perf_counter() - t0
+        warm = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            optimized.fused_experts(x, w[0], w[1], tw, ids, **kw)
+            warm.append(time.perf_counter() - t0)
+        hits = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            pack_cache.packed_weights(w[0], w[1], w[2], w[3], q, ids)
+            hits.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        optimized.prepack_moe_weights(w[0], w[1], q, w[2], w[3])
+        pre = time.perf_counter() - t0
+        rows.append({"shape": name, "quant": q, "E": E, "K": K, "threads": torch.get_num_threads(),
+                     "hit_us": statistics.median(hits) * 1e6, "first_us": first * 1e6,
+                     "warm_us": statistics.median(warm) * 1e6,
+                     "pack_us_per_expert": (first - statistics.median(warm)) / K * 1e6,
+                     "prepack_all_s": pre, "entry_bytes": pack_cache.stats()["bytes"]})
+        pack_cache.clear()
+        del w
     return rows
 
 
@@ -490,6 +563,8 @@ def main(argv=None) -> int:
     p.add_argument("--grid-rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=None, help="folder for fused_experts_targets.csv / _grid.csv")
+    p.add_argument("--control", action="store_true",
+                   help="with --cached: also time the prepacked path on the cache's own buffers")
     p.add_argument("--cached", default=None, metavar="NAME",
                    help="only the issue-18 comparison (standard layout through the pack cache vs prepacked, "
                         "decode, 1 and 2 threads); rows to results/<machine>/NAME.csv")
@@ -506,11 +581,22 @@ def main(argv=None) -> int:
                   f"{r['prepacked_us']:8.0f} us {r['prepacked_GBps']:5.1f} GB/s  cached {r['cached_us']:8.0f} us "
                   f"{r['cached_GBps']:5.1f} GB/s  cached/prepacked {r['bw_ratio']:.3f} ({r['bw_ratio_min']:.3f}.."
                   f"{r['bw_ratio_max']:.3f})  evicted {r['evicted_during']} packed {r['packed_during']} "
-                  f"load {r['load_after']}", flush=True)
+                  f"load {r['load_after']}" + (
+                      f"\n{'':<28}control: same buffers prepacked {r['same_buffers_us']:8.0f} us; cached/same "
+                      f"{r['cached_vs_same']:.3f} ({r['cached_vs_same_min']:.3f}..{r['cached_vs_same_max']:.3f}); "
+                      f"same/prepacked {r['same_vs_prepacked']:.3f} ({r['same_vs_prepacked_min']:.3f}.."
+                      f"{r['same_vs_prepacked_max']:.3f})" if "cached_vs_same" in r else ""), flush=True)
 
-        rows = run_cached(rounds=a.rounds, progress=show)
+        rows = run_cached(rounds=a.rounds, progress=show, control=a.control)
         print(f"# load average at the end {_loadavg()}")
         print("wrote", timing.write_csv(a.cached, rows))
+        costs = cache_costs()
+        for r in costs:
+            print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
+                  f"first T=1 call {r['first_us'] / 1e3:.1f} ms (warm {r['warm_us'] / 1e3:.2f} ms; packing "
+                  f"{r['pack_us_per_expert'] / 1e3:.2f} ms per expert)  prepack all {r['E']}: "
+                  f"{r['prepack_all_s']:.2f} s  entry {r['entry_bytes'] / 2**20:.0f} MiB", flush=True)
+        print("wrote", timing.write_csv(a.cached + "_costs", costs))
         return 0
     if not a.no_targets:
         bw, bw_best, rows = run_targets(a.quick, a.rounds)
