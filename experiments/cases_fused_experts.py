@@ -482,7 +482,7 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
                     after = pack_cache.stats()
                     nbytes = d.routed_bytes(ids)
                     r = timing.ratio(t["prepacked"], t["cached"])
-                    row = {"shape": name, "quant": s["quant"], "T": T, "threads": th,
+                    row = {"shape": name, "quant": s["quant"], "T": T, "threads_used": th,
                            "prepacked_us": t["prepacked"].median * 1e6, "cached_us": t["cached"].median * 1e6,
                            "prepacked_min_us": min(t["prepacked"].times) * 1e6,
                            "cached_min_us": min(t["cached"].times) * 1e6,
@@ -542,7 +542,7 @@ def cache_costs(shapes=CACHED_SHAPES, reps: int = 200) -> list[dict]:
         t0 = time.perf_counter()
         optimized.prepack_moe_weights(w[0], w[1], q, w[2], w[3])
         pre = time.perf_counter() - t0
-        rows.append({"shape": name, "quant": q, "E": E, "K": K, "threads": torch.get_num_threads(),
+        rows.append({"shape": name, "quant": q, "E": E, "K": K, "threads_used": torch.get_num_threads(),
                      "hit_us": statistics.median(hits) * 1e6, "first_us": first * 1e6,
                      "warm_us": statistics.median(warm) * 1e6,
                      "pack_us_per_expert": (first - statistics.median(warm)) / K * 1e6,
@@ -577,7 +577,7 @@ def main(argv=None) -> int:
               f"prepacked/cached ({a.rounds} interleaved rounds, min..max)", flush=True)
 
         def show(r):
-            print(f"{r['shape']:<15}{r['quant']:<10}T={r['T']:<3} threads={r['threads']}  prepacked "
+            print(f"{r['shape']:<15}{r['quant']:<10}T={r['T']:<3} threads={r['threads_used']}  prepacked "
                   f"{r['prepacked_us']:8.0f} us {r['prepacked_GBps']:5.1f} GB/s  cached {r['cached_us']:8.0f} us "
                   f"{r['cached_GBps']:5.1f} GB/s  cached/prepacked {r['bw_ratio']:.3f} ({r['bw_ratio_min']:.3f}.."
                   f"{r['bw_ratio_max']:.3f})  evicted {r['evicted_during']} packed {r['packed_during']} "
@@ -592,7 +592,7 @@ def main(argv=None) -> int:
         print("wrote", timing.write_csv(a.cached, rows))
         costs = cache_costs()
         for r in costs:
-            print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
+            print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads_used']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
                   f"first T=1 call {r['first_us'] / 1e3:.1f} ms (warm {r['warm_us'] / 1e3:.2f} ms; packing "
                   f"{r['pack_us_per_expert'] / 1e3:.2f} ms per expert)  prepack all {r['E']}: "
                   f"{r['prepack_all_s']:.2f} s  entry {r['entry_bytes'] / 2**20:.0f} MiB", flush=True)
