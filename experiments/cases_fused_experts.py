@@ -467,6 +467,11 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
             s = d.s
             d.standard()
             same = _same_buffers(d) if control else None
+            again = None
+            if control:   # an A/A control: a second prepacked copy of the same standard weights, made now
+                again = Rotating.__new__(Rotating)
+                again.items, again.i = [optimized.prepack_moe_weights(w[0], w[1], s["quant"], w[2], w[3])
+                                        for w in d.standard().items], 0
             for th in threads:
                 torch.set_num_threads(th)
                 for T in batch_sizes:
@@ -477,6 +482,9 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
                     if control:
                         fns["same_buffers"] = lambda: optimized.fused_experts(
                             x, same.next(), None, tw, ids, quant=s["quant"], w13_bias=d.b13, w2_bias=d.b2,
+                            activation=s["activation"])
+                        fns["prepacked_again"] = lambda: optimized.fused_experts(
+                            x, again.next(), None, tw, ids, quant=s["quant"], w13_bias=d.b13, w2_bias=d.b2,
                             activation=s["activation"])
                     t = timing.compare(fns, rounds=rounds, min_time=min_time)
                     after = pack_cache.stats()
@@ -500,6 +508,9 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
                         row.update(same_buffers_us=t["same_buffers"].median * 1e6, cached_vs_same=rc[0],
                                    cached_vs_same_min=rc[1], cached_vs_same_max=rc[2], same_vs_prepacked=rp[0],
                                    same_vs_prepacked_min=rp[1], same_vs_prepacked_max=rp[2])
+                        ra = timing.ratio(t["prepacked"], t["prepacked_again"])
+                        row.update(again_us=t["prepacked_again"].median * 1e6, again_vs_prepacked=ra[0],
+                                   again_vs_prepacked_min=ra[1], again_vs_prepacked_max=ra[2])
                     rows.append(row)
                     if progress:
                         progress(row)
@@ -552,6 +563,31 @@ def cache_costs(shapes=CACHED_SHAPES, reps: int = 200) -> list[dict]:
     return rows
 
 
+def summarize_cached(paths, disturbed: float = 1.5) -> list[str]:
+    """Lines summarizing several `--cached` runs (their printed .txt output): per point, each
+    run's cached/prepacked ratio, then the median (min..max) over the runs whose prepacked time
+    is under `disturbed` x the point's best run (a slower one was disturbed by other jobs)."""
+    import re
+    pat = re.compile(r"(\S+)\s+(\S+)\s+T=(\d+)\s+threads=(\d)\s+prepacked\s+(\d+) us.*?cached\s+(\d+) us.*?"
+                     r"cached/prepacked ([\d.]+)")
+    data: dict = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                m = pat.search(line)
+                if m:
+                    data.setdefault((m[2], int(m[3]), int(m[4])), []).append((float(m[5]), float(m[7])))
+    out = []
+    for (q, T, th), v in sorted(data.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        best = min(t for t, _ in v)
+        ok = [(t, r) for t, r in v if t < disturbed * best]
+        rs = [r for _, r in ok]
+        out.append(f"{q:<10} T={T:<3} threads={th}  per run: " + " ".join(f"{r:.3f}" for _, r in v) +
+                   f"  | {len(ok)} of {len(v)} undisturbed: median {statistics.median(rs):.3f} "
+                   f"({min(rs):.3f}..{max(rs):.3f}), prepacked {statistics.median([t for t, _ in ok]):.0f} us")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.cases_fused_experts", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -568,7 +604,14 @@ def main(argv=None) -> int:
     p.add_argument("--cached", default=None, metavar="NAME",
                    help="only the issue-18 comparison (standard layout through the pack cache vs prepacked, "
                         "decode, 1 and 2 threads); rows to results/<machine>/NAME.csv")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="with --cached: these shapes only")
+    p.add_argument("--T", nargs="+", type=int, help="with --cached: these batch sizes only")
+    p.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2], help="with --cached (default 1 2)")
+    p.add_argument("--summarize", nargs="+", metavar="TXT", help="summarize the printed output of --cached runs")
     a = p.parse_args(argv)
+    if a.summarize:
+        print("\n".join(summarize_cached(a.summarize)))
+        return 0
     torch.set_num_threads(a.threads)
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
@@ -585,12 +628,15 @@ def main(argv=None) -> int:
                       f"\n{'':<28}control: same buffers prepacked {r['same_buffers_us']:8.0f} us; cached/same "
                       f"{r['cached_vs_same']:.3f} ({r['cached_vs_same_min']:.3f}..{r['cached_vs_same_max']:.3f}); "
                       f"same/prepacked {r['same_vs_prepacked']:.3f} ({r['same_vs_prepacked_min']:.3f}.."
-                      f"{r['same_vs_prepacked_max']:.3f})" if "cached_vs_same" in r else ""), flush=True)
+                      f"{r['same_vs_prepacked_max']:.3f}); A/A: a second prepacked copy/prepacked "
+                      f"{r['again_vs_prepacked']:.3f} ({r['again_vs_prepacked_min']:.3f}..{r['again_vs_prepacked_max']:.3f})"
+                      if "cached_vs_same" in r else ""), flush=True)
 
-        rows = run_cached(rounds=a.rounds, progress=show, control=a.control)
+        rows = run_cached(shapes=a.shapes or CACHED_SHAPES, batch_sizes=a.T or CACHED_T, threads=a.thread_counts,
+                          rounds=a.rounds, progress=show, control=a.control)
         print(f"# load average at the end {_loadavg()}")
         print("wrote", timing.write_csv(a.cached, rows))
-        costs = cache_costs()
+        costs = cache_costs(a.shapes or CACHED_SHAPES)
         for r in costs:
             print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads_used']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
                   f"first T=1 call {r['first_us'] / 1e3:.1f} ms (warm {r['warm_us'] / 1e3:.2f} ms; packing "
