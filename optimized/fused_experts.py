@@ -213,7 +213,7 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
                                            apply_router_weight_on_input=apply_router_weight_on_input)
         args = (w13, w2)
         slow13 = slow2 = None
-        if x.device.type == "cpu" and topk_ids.numel():
+        if x.device.type == "cpu" and topk_ids.numel() and not torch.compiler.is_compiling():
             # Standard layout on the CPU: the pack cache (optimized/pack_cache.py) packs the routed
             # experts not packed yet, once, and the call runs the prepacked path (same bits).
             pk = _pack_cache.packed_weights(w13, w2, w13_scale, w2_scale, quant, topk_ids)

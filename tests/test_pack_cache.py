@@ -399,3 +399,16 @@ def test_direct_op_checks_ids_and_buffers():
         for got, want in zip(bufs, (pw.w13, pw.w13_scale, pw.w13_slow, pw.w2, pw.w2_scale, pw.w2_slow)):
             assert torch.equal(got[e].view(torch.uint8), want[e].view(torch.uint8)), e
     assert op(ids, done, w13, s13, w2, s2, quant, *bufs) == 0
+
+
+def test_torch_compile_bypasses_the_cache():
+    """Under torch.compile the cache is off (its weakrefs and locks are host-side state); the
+    compiled call takes the unpacked path, fullgraph, with the same bits."""
+    quant, E, H = "fp8_block", 4, 128
+    w = weights(quant, E, H)
+    x, tw, ids, _ = inputs(E, H, T=3, K=2)
+    want = call(x, w, tw, ids, quant)
+    calls = pack_cache.stats()["calls"]
+    f = torch.compile(lambda a, b, c: call(a, w, b, c, quant), fullgraph=True)
+    assert torch.equal(bits(f(x, tw, ids)), bits(want))
+    assert pack_cache.stats()["calls"] == calls
