@@ -635,14 +635,14 @@ def main(argv=None) -> int:
         rows = run_cached(shapes=a.shapes or CACHED_SHAPES, batch_sizes=a.T or CACHED_T, threads=a.thread_counts,
                           rounds=a.rounds, progress=show, control=a.control)
         print(f"# load average at the end {_loadavg()}")
-        print("wrote", timing.write_csv(a.cached, rows))
+        print("wrote", _rel(timing.write_csv(a.cached, rows)))
         costs = cache_costs(a.shapes or CACHED_SHAPES)
         for r in costs:
             print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads_used']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
                   f"first T=1 call {r['first_us'] / 1e3:.1f} ms (warm {r['warm_us'] / 1e3:.2f} ms; packing "
                   f"{r['pack_us_per_expert'] / 1e3:.2f} ms per expert)  prepack all {r['E']}: "
                   f"{r['prepack_all_s']:.2f} s  entry {r['entry_bytes'] / 2**20:.0f} MiB", flush=True)
-        print("wrote", timing.write_csv(a.cached + "_costs", costs))
+        print("wrote", _rel(timing.write_csv(a.cached + "_costs", costs)))
         return 0
     if not a.no_targets:
         bw, bw_best, rows = run_targets(a.quick, a.rounds)
@@ -684,6 +684,15 @@ def main(argv=None) -> int:
               f"{len(real)} with different kernel choices (the others run the same code: noise)")
         _write(a.csv, "fused_experts_grid.csv", grid)
     return 0
+
+
+def _rel(path) -> str:
+    """A path relative to the working folder when under it (outputs get committed; no machine paths)."""
+    import os
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
 
 
 def _loadavg() -> str:
