@@ -113,6 +113,28 @@ class ShapeData:
                                        w13_bias=self.b13, w2_bias=self.b2, activation=s["activation"],
                                        dispatch=dispatch)
 
+    def standard(self) -> Rotating:
+        """Standard-layout weights (rotating cold copies, built on first use), every copy's
+        pack-cache entry filled for all experts (`warm_pack_cache`), so that calls measure the
+        cache's steady state ("from the second call on"). Each copy is a different weight set,
+        so each has its own entry; the cap must hold them all (checked by the caller)."""
+        if getattr(self, "_std", None) is None:
+            s = self.s
+            E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
+            seeds = iter(range(2000, 3000))
+            self._std = Rotating(lambda: random_weights(q, E, H, I, seed=next(seeds)), E * self.expert_bytes)
+            for w in self._std.items:
+                warm_pack_cache(w, s)
+        return self._std
+
+    def cached(self, x, tw, ids, dispatch="auto"):
+        """Standard-layout weights through the pack cache (optimized/pack_cache.py)."""
+        s = self.s
+        w13, w2, s13, s2 = self.standard().next()
+        return optimized.fused_experts(x, w13, w2, tw, ids, quant=s["quant"], w13_scale=s13, w2_scale=s2,
+                                       w13_bias=self.b13, w2_bias=self.b2, activation=s["activation"],
+                                       dispatch=dispatch)
+
     def eager_call(self, x, tw, ids):
         W13, W2 = self.eager.next()
         return eager_moe(x, W13, W2, tw, ids, self.s["activation"], self.eb13, self.eb2)
@@ -122,6 +144,16 @@ class ShapeData:
 
     def flops(self, ids) -> float:
         return 2.0 * int((ids >= 0).sum()) * 3 * self.s["H"] * self.s["I"]
+
+
+def warm_pack_cache(w, s) -> None:
+    """One call routing every expert of weight set w, so its pack-cache entry is complete."""
+    E, K, H = s["E"], s["K"], s["H"]
+    ids = torch.arange(E, dtype=torch.int32).reshape(-1, K) if E % K == 0 else \
+        torch.arange(E, dtype=torch.int32).reshape(-1, 1)
+    tw = torch.full(ids.shape, 1.0 / ids.shape[1])
+    optimized.fused_experts(torch.zeros(ids.shape[0], H, dtype=torch.bfloat16), w[0], w[1], tw, ids,
+                            quant=s["quant"], w13_scale=w[2], w2_scale=w[3], activation=s["activation"])
 
 
 def eager_moe(x, W13, W2, tw, ids, activation, b13=None, b2=None, alpha=1.702, limit=7.0):
@@ -206,6 +238,10 @@ def cases(quick: bool):
         out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T}",
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
+                        nbytes=nbytes, target=target))
+        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T} standard layout (cached)",
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
+                        _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.cached(x, tw, ids)),
                         nbytes=nbytes, target=target))
     if not quick:
         for name in ("qwen3-30b-a3b", "gpt-oss-20b"):
@@ -388,6 +424,170 @@ def run_targets(quick: bool, rounds: int):
     return bw, bw_best, rows
 
 
+CACHED_SHAPES = ("qwen3-30b-a3b", "gpt-oss-20b", "olmoe-1b-7b")
+CACHED_T = (1, 4, 16)
+
+
+def _same_buffers(d: ShapeData) -> Rotating:
+    """PackedMoEWeights over the pack cache's own buffers of each standard copy (the control of
+    `run_cached(control=True)`: the prepacked path reading the very memory the cached path
+    reads, so cached vs this is the cache's bookkeeping alone, and prepacked vs this is where
+    the two sets of buffers happen to sit in memory)."""
+    from optimized import pack_cache
+    from optimized.fused_experts import PackedMoEWeights
+    s = d.s
+    E, K, H, I, q = s["E"], s["K"], s["H"], s["I"], s["quant"]
+    ids = torch.arange(E, dtype=torch.int32).reshape(-1, K)
+    items = []
+    for w13, w2, s13, s2 in d.standard().items:
+        p13, p2, q13, q2, f13, f2 = pack_cache.packed_weights(w13, w2, s13, s2, q, ids)
+        items.append(PackedMoEWeights(q, E, H, I, p13, p2, q13, q2, f13, f2))
+    r = Rotating.__new__(Rotating)
+    r.items, r.i = items, 0
+    return r
+
+
+def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), rounds: int = 7,
+               min_time: float = 0.05, progress=None, control: bool = False) -> list[dict]:
+    """Issue 18: standard-layout weights through the pack cache against the same weights
+    prepacked, decode (uniform routing), side by side in interleaved rounds (timing.compare),
+    both rotating through cold copies. Every standard copy's entry is filled before timing
+    (`ShapeData.standard`), so this is the steady state from the second call on; the rows
+    record the cache's counters around the timing (no eviction, no packing may happen).
+    ratio = prepacked time / cached time per round = cached bandwidth / prepacked bandwidth
+    (the same bytes): median, min, max over the rounds."""
+    from optimized import pack_cache
+    rows = []
+    old = torch.get_num_threads()
+    try:
+        for name in shapes:
+            _current.clear()
+            pack_cache.clear()
+            d = shape_data(name, eager=False)
+            s = d.s
+            d.standard()
+            same = _same_buffers(d) if control else None
+            again = None
+            if control:   # an A/A control: a second prepacked copy of the same standard weights, made now
+                again = Rotating.__new__(Rotating)
+                again.items, again.i = [optimized.prepack_moe_weights(w[0], w[1], s["quant"], w[2], w[3])
+                                        for w in d.standard().items], 0
+            for th in threads:
+                torch.set_num_threads(th)
+                for T in batch_sizes:
+                    tw, ids = routing("uniform", T, s["E"], s["K"], seed=T)
+                    x = _x(T, s["H"])
+                    before = pack_cache.stats()
+                    fns = {"prepacked": lambda: d.ours(x, tw, ids), "cached": lambda: d.cached(x, tw, ids)}
+                    if control:
+                        fns["same_buffers"] = lambda: optimized.fused_experts(
+                            x, same.next(), None, tw, ids, quant=s["quant"], w13_bias=d.b13, w2_bias=d.b2,
+                            activation=s["activation"])
+                        fns["prepacked_again"] = lambda: optimized.fused_experts(
+                            x, again.next(), None, tw, ids, quant=s["quant"], w13_bias=d.b13, w2_bias=d.b2,
+                            activation=s["activation"])
+                    t = timing.compare(fns, rounds=rounds, min_time=min_time)
+                    after = pack_cache.stats()
+                    nbytes = d.routed_bytes(ids)
+                    r = timing.ratio(t["prepacked"], t["cached"])
+                    row = {"shape": name, "quant": s["quant"], "T": T, "threads_used": th,
+                           "prepacked_us": t["prepacked"].median * 1e6, "cached_us": t["cached"].median * 1e6,
+                           "prepacked_min_us": min(t["prepacked"].times) * 1e6,
+                           "cached_min_us": min(t["cached"].times) * 1e6,
+                           "prepacked_GBps": nbytes / t["prepacked"].median / 1e9,
+                           "cached_GBps": nbytes / t["cached"].median / 1e9,
+                           "bw_ratio": r[0], "bw_ratio_min": r[1], "bw_ratio_max": r[2], "rounds": rounds,
+                           "copies": len(d.standard().items),
+                           "cache_entries": after["entries"], "cache_bytes": after["bytes"],
+                           "evicted_during": after["evicted"] - before["evicted"],
+                           "packed_during": after["experts_packed"] - before["experts_packed"],
+                           "load_after": _loadavg().split()[0]}
+                    if control:
+                        rc = timing.ratio(t["same_buffers"], t["cached"])
+                        rp = timing.ratio(t["prepacked"], t["same_buffers"])
+                        row.update(same_buffers_us=t["same_buffers"].median * 1e6, cached_vs_same=rc[0],
+                                   cached_vs_same_min=rc[1], cached_vs_same_max=rc[2], same_vs_prepacked=rp[0],
+                                   same_vs_prepacked_min=rp[1], same_vs_prepacked_max=rp[2])
+                        ra = timing.ratio(t["prepacked"], t["prepacked_again"])
+                        row.update(again_us=t["prepacked_again"].median * 1e6, again_vs_prepacked=ra[0],
+                                   again_vs_prepacked_min=ra[1], again_vs_prepacked_max=ra[2])
+                    rows.append(row)
+                    if progress:
+                        progress(row)
+    finally:
+        torch.set_num_threads(old)
+        _current.clear()
+    return rows
+
+
+def cache_costs(shapes=CACHED_SHAPES, reps: int = 200) -> list[dict]:
+    """The pack cache's own costs per shape, on the current threads: `hit_us`, the per-call
+    bookkeeping of a call whose experts are all packed (key check + the pack op's id scan,
+    T=1, median of `reps`); `first_us`, a T=1 decode's first call on fresh weights (packs its
+    K experts, then runs) and `pack_us_per_expert` = its packing part per expert (the first
+    call's time minus a warm call's, over K); `prepack_all_s`, prepack_moe_weights of all E."""
+    import time
+    from optimized import pack_cache
+    rows = []
+    for name in shapes:
+        s = SHAPES[name]
+        E, K, H, I, q = s["E"], s["K"], s["H"], s["I"], s["quant"]
+        w = random_weights(q, E, H, I, seed=11)
+        tw, ids = routing("uniform", 1, E, K, seed=1)
+        x = _x(1, H)
+        kw = dict(quant=q, w13_scale=w[2], w2_scale=w[3], activation=s["activation"])
+        pack_cache.clear()
+        t0 = time.perf_counter()
+        optimized.fused_experts(x, w[0], w[1], tw, ids, **kw)
+        first = time.perf_counter() - t0
+        warm = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            optimized.fused_experts(x, w[0], w[1], tw, ids, **kw)
+            warm.append(time.perf_counter() - t0)
+        hits = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            pack_cache.packed_weights(w[0], w[1], w[2], w[3], q, ids)
+            hits.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        optimized.prepack_moe_weights(w[0], w[1], q, w[2], w[3])
+        pre = time.perf_counter() - t0
+        rows.append({"shape": name, "quant": q, "E": E, "K": K, "threads_used": torch.get_num_threads(),
+                     "hit_us": statistics.median(hits) * 1e6, "first_us": first * 1e6,
+                     "warm_us": statistics.median(warm) * 1e6,
+                     "pack_us_per_expert": (first - statistics.median(warm)) / K * 1e6,
+                     "prepack_all_s": pre, "entry_bytes": pack_cache.stats()["bytes"]})
+        pack_cache.clear()
+        del w
+    return rows
+
+
+def summarize_cached(paths, disturbed: float = 1.5) -> list[str]:
+    """Lines summarizing several `--cached` runs (their printed .txt output): per point, each
+    run's cached/prepacked ratio, then the median (min..max) over the runs whose prepacked time
+    is under `disturbed` x the point's best run (a slower one was disturbed by other jobs)."""
+    import re
+    pat = re.compile(r"(\S+)\s+(\S+)\s+T=(\d+)\s+threads=(\d)\s+prepacked\s+(\d+) us.*?cached\s+(\d+) us.*?"
+                     r"cached/prepacked ([\d.]+)")
+    data: dict = {}
+    for path in paths:
+        with open(path) as f:
+            for line in f:
+                m = pat.search(line)
+                if m:
+                    data.setdefault((m[2], int(m[3]), int(m[4])), []).append((float(m[5]), float(m[7])))
+    out = []
+    for (q, T, th), v in sorted(data.items(), key=lambda kv: (kv[0][2], kv[0][0], kv[0][1])):
+        best = min(t for t, _ in v)
+        ok = [(t, r) for t, r in v if t < disturbed * best]
+        rs = [r for _, r in ok]
+        out.append(f"{q:<10} T={T:<3} threads={th}  per run: " + " ".join(f"{r:.3f}" for _, r in v) +
+                   f"  | {len(ok)} of {len(v)} undisturbed: median {statistics.median(rs):.3f} "
+                   f"({min(rs):.3f}..{max(rs):.3f}), prepacked {statistics.median([t for t, _ in ok]):.0f} us")
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.cases_fused_experts", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true")
@@ -399,10 +599,51 @@ def main(argv=None) -> int:
     p.add_argument("--grid-rounds", type=int, default=5)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--csv", default=None, help="folder for fused_experts_targets.csv / _grid.csv")
+    p.add_argument("--control", action="store_true",
+                   help="with --cached: also time the prepacked path on the cache's own buffers")
+    p.add_argument("--cached", default=None, metavar="NAME",
+                   help="only the issue-18 comparison (standard layout through the pack cache vs prepacked, "
+                        "decode, 1 and 2 threads); rows to results/<machine>/NAME.csv")
+    p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="with --cached: these shapes only")
+    p.add_argument("--T", nargs="+", type=int, help="with --cached: these batch sizes only")
+    p.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2], help="with --cached (default 1 2)")
+    p.add_argument("--summarize", nargs="+", metavar="TXT", help="summarize the printed output of --cached runs")
     a = p.parse_args(argv)
+    if a.summarize:
+        print("\n".join(summarize_cached(a.summarize)))
+        return 0
     torch.set_num_threads(a.threads)
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}")
+    if a.cached:
+        print(f"# load average {_loadavg()}; cached/prepacked bandwidth = median of per-round time ratios "
+              f"prepacked/cached ({a.rounds} interleaved rounds, min..max)", flush=True)
+
+        def show(r):
+            print(f"{r['shape']:<15}{r['quant']:<10}T={r['T']:<3} threads={r['threads_used']}  prepacked "
+                  f"{r['prepacked_us']:8.0f} us {r['prepacked_GBps']:5.1f} GB/s  cached {r['cached_us']:8.0f} us "
+                  f"{r['cached_GBps']:5.1f} GB/s  cached/prepacked {r['bw_ratio']:.3f} ({r['bw_ratio_min']:.3f}.."
+                  f"{r['bw_ratio_max']:.3f})  evicted {r['evicted_during']} packed {r['packed_during']} "
+                  f"load {r['load_after']}" + (
+                      f"\n{'':<28}control: same buffers prepacked {r['same_buffers_us']:8.0f} us; cached/same "
+                      f"{r['cached_vs_same']:.3f} ({r['cached_vs_same_min']:.3f}..{r['cached_vs_same_max']:.3f}); "
+                      f"same/prepacked {r['same_vs_prepacked']:.3f} ({r['same_vs_prepacked_min']:.3f}.."
+                      f"{r['same_vs_prepacked_max']:.3f}); A/A: a second prepacked copy/prepacked "
+                      f"{r['again_vs_prepacked']:.3f} ({r['again_vs_prepacked_min']:.3f}..{r['again_vs_prepacked_max']:.3f})"
+                      if "cached_vs_same" in r else ""), flush=True)
+
+        rows = run_cached(shapes=a.shapes or CACHED_SHAPES, batch_sizes=a.T or CACHED_T, threads=a.thread_counts,
+                          rounds=a.rounds, progress=show, control=a.control)
+        print(f"# load average at the end {_loadavg()}")
+        print("wrote", _rel(timing.write_csv(a.cached, rows)))
+        costs = cache_costs(a.shapes or CACHED_SHAPES)
+        for r in costs:
+            print(f"{r['shape']:<15}{r['quant']:<10} threads={r['threads_used']}  hit (bookkeeping) {r['hit_us']:.1f} us  "
+                  f"first T=1 call {r['first_us'] / 1e3:.1f} ms (warm {r['warm_us'] / 1e3:.2f} ms; packing "
+                  f"{r['pack_us_per_expert'] / 1e3:.2f} ms per expert)  prepack all {r['E']}: "
+                  f"{r['prepack_all_s']:.2f} s  entry {r['entry_bytes'] / 2**20:.0f} MiB", flush=True)
+        print("wrote", _rel(timing.write_csv(a.cached + "_costs", costs)))
+        return 0
     if not a.no_targets:
         bw, bw_best, rows = run_targets(a.quick, a.rounds)
         print(f"read bandwidth (same run): {bw / 1e9:.1f} GB/s median, {bw_best / 1e9:.1f} GB/s best round; "
@@ -443,6 +684,15 @@ def main(argv=None) -> int:
               f"{len(real)} with different kernel choices (the others run the same code: noise)")
         _write(a.csv, "fused_experts_grid.csv", grid)
     return 0
+
+
+def _rel(path) -> str:
+    """A path relative to the working folder when under it (outputs get committed; no machine paths)."""
+    import os
+    try:
+        return os.path.relpath(path)
+    except ValueError:
+        return str(path)
 
 
 def _loadavg() -> str:

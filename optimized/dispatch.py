@@ -446,6 +446,12 @@ class FusedExpertsDecision(Decision):
     policy: str = "auto"
     m_cross: int = 0
     blocks: tuple = ()   # (("tiny", n), ("blocked", n)): expert blocks per kernel
+    # CPU weight handling: "prepacked" (a PackedMoEWeights), "cached" (standard layout through
+    # optimized.pack_cache: `packs` experts packed by this call, 0 = all reused) or "unpacked"
+    # (standard layout, every routed tile repacked in scratch; `packs` = -1); "" on the GPU.
+    packing: str = ""
+    packs: int = -1
+    packing_reason: str = ""
 
     @property
     def counts(self) -> dict:
@@ -454,12 +460,15 @@ class FusedExpertsDecision(Decision):
     def __str__(self) -> str:
         c = self.counts
         return (f"{self.op}: {self.kernel} ({c.get('tiny', 0)} tiny, {c.get('blocked', 0)} blocked "
-                f"blocks; {self.reason})")
+                f"blocks; {self.reason})" + (f"; {self.packing_reason}" if self.packing_reason else ""))
 
 
-def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatch="auto", **_) -> FusedExpertsDecision:
-    """Which kernel each expert block of `optimized.fused_experts(...)` takes, with counts.
-    Reads topk_ids (the block sizes); the call itself does not."""
+def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatch="auto", w13_scale=None,
+                           w2_scale=None, **_) -> FusedExpertsDecision:
+    """Which kernel each expert block of `optimized.fused_experts(...)` takes, with counts, and
+    how the call gets its packed weights: prepacked, the pack cache (how many experts it would
+    pack now; 0 = reuses the cache) or the unpacked path. Reads topk_ids (the block sizes);
+    the call itself does not. Packs and allocates nothing."""
     import torch
     T, K = topk_ids.shape
     E = w13.E if hasattr(w13, "E") else w13.shape[0]
@@ -475,8 +484,17 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
         n_blocked = int((sizes >= m_cross).sum())
     n_tiny = int(sizes.numel()) - n_blocked
     kernel = "none" if sizes.numel() == 0 else "tiny" if n_blocked == 0 else "blocked" if n_tiny == 0 else "mixed"
+    if hasattr(w13, "E"):
+        packing, packs, why = "prepacked", 0, "prepacked weights (PackedMoEWeights): nothing to pack"
+    elif ids.numel() == 0:
+        packing, packs, why = "unpacked", -1, "no rows: nothing runs"
+    else:
+        from . import pack_cache
+        why, packs = pack_cache.explain(w13, w2, w13_scale, w2_scale, quant, topk_ids)
+        packing = "unpacked" if packs < 0 else "cached"
     return FusedExpertsDecision("fused_experts", kernel, reason, policy=dispatch, m_cross=m_cross,
-                                blocks=(("tiny", n_tiny), ("blocked", n_blocked)))
+                                blocks=(("tiny", n_tiny), ("blocked", n_blocked)), packing=packing, packs=packs,
+                                packing_reason=why)
 
 
 _EXPLAINERS["fused_experts"] = fused_experts_decision

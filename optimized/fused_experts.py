@@ -12,8 +12,11 @@ that fp8 weights are rounded to bf16 (relative error <= 2^-8 per weight); bf16 a
 weights are exact in bf16.
 
 Weights may be prepacked once with `prepack_moe_weights` (the kernels' blocked VNNI
-layout); `fused_experts(x, packed, None, ...)` then skips the per-call packing that
-standard-layout weights need.
+layout); `fused_experts(x, packed, None, ...)` then runs without any packing. Standard-layout
+CPU weights are packed invisibly: the pack cache (optimized/pack_cache.py) packs each expert
+the first time it is routed to, keeps the packed copy while the weights live and are not
+changed, and runs the prepacked path on it (same bits); MOELAB_PACK_CACHE=0 turns it off
+(every call then repacks its routed tiles in per-thread scratch).
 
 apply_router_weight_on_input=True (SPEC 6, Llama 4) is done inside the kernels: the row gather
 writes bf16(x[t] * bf16(w[t, j])) for slot j (exact: one f32 product of two bf16 values, one
@@ -38,6 +41,7 @@ from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_
 from . import _fake
 from . import dispatch as _dispatch
 from . import gpu
+from . import pack_cache as _pack_cache
 
 __all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
 
@@ -97,6 +101,16 @@ def _prepack_fake(w, scale, quant):
         s = w.new_empty((E, n16 * (K // MX_BLOCK) * 16), dtype=torch.uint8)
     return (w.new_empty((E, n16 * per_group), dtype=torch.uint8), s,
             w.new_empty((E, -(-N // 64)), dtype=torch.uint8))
+
+
+@torch.library.register_fake("moelab::pack_moe_experts")
+def _pack_experts_fake(topk_ids, done, w13, w13_scale, w2, w2_scale, quant, p13, q13, f13, p2, q2, f2):
+    # The pack cache's op (optimized/pack_cache.py) is never traced (the cache is off under
+    # torch.compile); this fake exists for the device checks every op makes.
+    _fake.check("pack_moe_experts", ("topk_ids", topk_ids, 2), ("done", done, 1), ("w13", w13, 3),
+                ("w13_scale", w13_scale, None), ("w2", w2, 3), ("w2_scale", w2_scale, None), ("p13", p13, 2),
+                ("q13", q13, None), ("f13", f13, 2), ("p2", p2, 2), ("q2", q2, None), ("f2", f2, 2))
+    return 0
 
 
 def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
@@ -199,6 +213,14 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
                                            apply_router_weight_on_input=apply_router_weight_on_input)
         args = (w13, w2)
         slow13 = slow2 = None
+        if x.device.type == "cpu" and topk_ids.numel() and not torch.compiler.is_compiling():
+            # Standard layout on the CPU: the pack cache (optimized/pack_cache.py) packs the routed
+            # experts not packed yet, once, and the call runs the prepacked path (same bits).
+            pk = _pack_cache.packed_weights(w13, w2, w13_scale, w2_scale, quant, topk_ids)
+            if pk is not None:
+                packed = True
+                args = pk[:2]
+                w13_scale, w2_scale, slow13, slow2 = pk[2:]
     T, K = topk_ids.shape
     plan = _dispatch.fused_experts_gpu_plan if x.device.type == "cuda" else _dispatch.fused_experts_plan
     code, m_cross, _ = plan(T, K, E, quant, dispatch)

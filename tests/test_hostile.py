@@ -238,6 +238,31 @@ def prepack_mx():
     return dict(w=q, scale=s, quant="mxfp4")
 
 
+def _pack_experts(base):
+    """moelab::pack_moe_experts (the pack cache's op) on the standard weights of a fused_experts
+    base, into buffers shaped as prepack_moe_weight's."""
+    kw = base()
+    out = dict(topk_ids=kw["topk_ids"], done=torch.zeros(E_F, dtype=torch.uint8), w13=kw["w13"],
+               w13_scale=kw["w13_scale"], w2=kw["w2"], w2_scale=kw["w2_scale"], quant=kw["quant"])
+    for m in ("13", "2"):
+        p, s, f = ops.prepack_moe_weight(kw["w" + m], kw[f"w{m}_scale"], kw["quant"])
+        out.update({f"p{m}": torch.zeros_like(p), f"q{m}": None if kw["quant"] == "bf16" else torch.zeros_like(s),
+                    f"f{m}": torch.zeros_like(f)})
+    return out
+
+
+def pack_base():
+    return _pack_experts(fe_base)
+
+
+def pack_fp8():
+    return _pack_experts(fe_fp8)
+
+
+def pack_mx():
+    return _pack_experts(fe_mx)
+
+
 BASES = {
     "route": [route_base, route_grouped, route_softmax, route_grouped_softmax, route_softmax_bias],
     "router_gemm": [router_gemm_base],
@@ -247,6 +272,7 @@ BASES = {
     "unpermute": [unpermute_base],
     "fused_experts": [fe_base, fe_oai, fe_fp8, fe_mx, fe_packed, fe_packed_mx, fe_on_input],
     "prepack_moe_weight": [prepack_base, prepack_fp8, prepack_mx],
+    "pack_moe_experts": [pack_base, pack_fp8, pack_mx],
 }
 
 
@@ -696,6 +722,37 @@ for q in ("int4", "", "mxfp4 "):
     bad("prepack_moe_weight", prepack_base, "quant", repr(q), quant=q)
 bad("prepack_moe_weight", prepack_base, "w", "quant-mxfp4-on-bf16", quant="mxfp4", scale=torch.zeros(3, 40, 0, dtype=torch.uint8))
 
+# ---- pack_moe_experts (the pack cache's op): ids, weights and every buffer
+for v in (E_F, -2, 2 ** 31 - 1):
+    bad("pack_moe_experts", pack_base, "topk_ids", f"value{v}",
+        topk_ids=lambda kw, v=v: kw["topk_ids"].index_fill(0, torch.tensor([1]), v))
+bad("pack_moe_experts", pack_base, "topk_ids", "int64", topk_ids=recast("topk_ids", torch.int64))
+bad("pack_moe_experts", pack_base, "topk_ids", "rank1", topk_ids=lambda kw: kw["topk_ids"][0])
+bad("pack_moe_experts", pack_base, "done", "size", done=torch.zeros(E_F + 1, dtype=torch.uint8))
+bad("pack_moe_experts", pack_base, "done", "dtype", done=torch.zeros(E_F, dtype=torch.bool))
+bad("pack_moe_experts", pack_base, "done", "stepped", done=lambda kw: stepped(kw["done"]))
+bad("pack_moe_experts", pack_base, "w13", "transposed", w13=lambda kw: kw["w13"].transpose(1, 2).contiguous().transpose(1, 2))
+bad("pack_moe_experts", pack_base, "w13", "expanded", w13=lambda kw: kw["w13"][:1].expand(kw["w13"].shape))
+bad("pack_moe_experts", pack_base, "w2", "other-E", w2=lambda kw: kw["w2"][:-1].contiguous())
+bad("pack_moe_experts", pack_base, "w2", "other-I", w2=lambda kw: kw["w2"][..., :-2].contiguous())
+bad("pack_moe_experts", pack_fp8, "w13_scale", "missing", w13_scale=None)
+bad("pack_moe_experts", pack_fp8, "w2_scale", "size", w2_scale=lambda kw: kw["w2_scale"][:-1])
+bad("pack_moe_experts", pack_mx, "w13_scale", "stepped", w13_scale=lambda kw: stepped(kw["w13_scale"]))
+bad("pack_moe_experts", pack_base, "w13_scale", "given-bf16", w13_scale=torch.ones(E_F, 1, 1))
+for name in ("p13", "f13", "p2", "f2"):
+    bad("pack_moe_experts", pack_base, name, "short", **{name: lambda kw, n=name: kw[n][:-1]})
+    bad("pack_moe_experts", pack_base, name, "narrow", **{name: lambda kw, n=name: kw[n][:, :-1].contiguous()})
+    bad("pack_moe_experts", pack_base, name, "stepped", **{name: lambda kw, n=name: stepped(kw[n])})
+    bad("pack_moe_experts", pack_base, name, "dtype", **{name: lambda kw, n=name: kw[n].to(torch.int8)})
+for name in ("q13", "q2"):
+    bad("pack_moe_experts", pack_fp8, name, "missing", **{name: None})
+    bad("pack_moe_experts", pack_fp8, name, "short", **{name: lambda kw, n=name: kw[n][:-1]})
+    bad("pack_moe_experts", pack_mx, name, "narrow", **{name: lambda kw, n=name: kw[n][:, :-1].contiguous()})
+    bad("pack_moe_experts", pack_base, name, "given-bf16", **{name: torch.zeros(E_F, 1, 1)})
+for q in ("int4", "", "fp8_block"):
+    bad("pack_moe_experts", pack_base, "quant", repr(q), quant=q) if q != "fp8_block" else \
+        bad("pack_moe_experts", pack_base, "w13", "quant-fp8-on-bf16", quant=q)
+
 
 @pytest.mark.parametrize("op,arg,make", CASES)
 def test_hostile_call_raises(op, arg, make):
@@ -724,7 +781,7 @@ def _on(kw, device, names=None):
 
 
 def _flat(result):
-    if result is None:
+    if result is None or isinstance(result, int):   # pack_moe_experts returns a count
         return []
     return [result] if isinstance(result, torch.Tensor) else list(result)
 
@@ -952,9 +1009,11 @@ def test_permute_out_writes_only_its_buffers(desc, base, over):
 
 
 # ------------------------------------------------ negative-bit views (torch._neg_view)
+PACK_OUTS = ("done", "p13", "q13", "f13", "p2", "q2", "f2")   # pack_moe_experts writes these
 NEGATABLE = (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64)
 NEG_INPUTS = [(op, b, name) for op, b in ALL_BASES for name, v in b().items()
-              if isinstance(v, torch.Tensor) and v.dtype in NEGATABLE and not (op == "permute_out" and name in OUTS)]
+              if isinstance(v, torch.Tensor) and v.dtype in NEGATABLE and not (op == "permute_out" and name in OUTS)
+              and not (op == "pack_moe_experts" and name in PACK_OUTS)]
 
 
 @pytest.mark.parametrize("op,base,arg", NEG_INPUTS, ids=lambda v: v if isinstance(v, str) else v.__name__)
@@ -979,3 +1038,14 @@ def test_permute_out_refuses_negative_view_outputs(name):
     with pytest.raises(RuntimeError, match=rf"moelab::permute_out: argument '{name}' must not be a negative view"):
         run("permute_out", kw)
     run("permute_out", permute_out_base())   # and the process is fine
+
+
+@pytest.mark.parametrize("name", ["q13", "q2"])
+def test_pack_moe_experts_refuses_negative_view_buffers(name):
+    """pack_moe_experts has permute_out's Negative kernel: a buffer (fp8 scales: f32) with the
+    negative bit is refused, and the process goes on."""
+    kw = pack_fp8()
+    kw[name] = torch._neg_view(kw[name])
+    with pytest.raises(RuntimeError, match=rf"moelab::pack_moe_experts: argument '{name}' must not be a negative view"):
+        run("pack_moe_experts", kw)
+    assert run("pack_moe_experts", pack_fp8()) > 0

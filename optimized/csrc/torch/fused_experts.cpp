@@ -10,6 +10,7 @@
 // writing out of bounds. (apply_router_weight_on_input is a schema bool: a value the dispatcher
 // cannot read as one is refused there, naming the op and the argument.)
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <tuple>
@@ -323,6 +324,65 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   return at::from_blob(ob, {T, H}, x.options().dtype(at::kFloat)).to(at::kBFloat16);
 }
 
+// Packs the listed experts of one weight matrix w ([E][N][K] standard layout, contiguous) into
+// preallocated buffers: pp [E][expert_bytes], slow flags [E][n_tiles], and the scales (fp8: the
+// expert's [ceil(N/128)][ceil(K/128)] f32 copied into fp8_dst; mxfp4: packed into mx_dst).
+// Parallel over (listed expert, tile); every byte written belongs to one listed expert, so the
+// other experts' bytes are never touched (the pack cache relies on it: a thread may be reading
+// them). Both prepack_moe_weight (every expert) and pack_moe_experts (the routed ones) use it,
+// so the two give the same bytes and flags.
+void pack_experts_into(int q, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t N,
+                       int64_t K, const std::vector<int64_t>& experts, uint8_t* pp, float* fp8_dst,
+                       uint8_t* mx_dst, uint8_t* sp) {
+  const int64_t n = int64_t(experts.size());
+  if (n == 0) return;
+  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
+  const int64_t N16 = fe::n16(N), gb = fe::group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
+  const int64_t nt = fe::n_tiles(N), rb = fe::row_bytes(q, K);
+  const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
+  if (q == fe::kFP8) {
+    const float* src = scale->data_ptr<float>();
+    for (int64_t e : experts) std::memcpy(fp8_dst + e * nbn * nbk, src + e * nbn * nbk, size_t(nbn * nbk) * 4);
+  }
+  at::parallel_for(0, n * nt, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t e = experts[size_t(i / nt)], t = i % nt;
+      const int64_t g0 = t * fe::kTileGroups, ng = std::min(fe::kTileGroups, N16 - g0);
+      uint8_t* tw = pp + e * N16 * gb + g0 * gb;
+      fe::pack_groups(q, wp + e * N * rb, N, K, g0, ng, tw);
+      const float* fs = q == fe::kFP8 ? fp8_dst + e * nbn * nbk : nullptr;
+      uint8_t* ms = nullptr;
+      if (q == fe::kMXFP4) {
+        ms = mx_dst + e * N16 * sgb + g0 * sgb;
+        fe::pack_mx_scales(scale->data_ptr<uint8_t>() + e * N * (K / fe::kMxBlock), N, K, g0, ng, ms);
+      }
+      sp[e * nt + t] = fe::tile_needs_slow(q, tw, ng, K, t, fs, ms) ? 1 : 0;
+    }
+  });
+}
+
+// Checks a standard-layout weight w [E][N][K(/2)] and its scale for `op`; returns K.
+int64_t check_std_weight(const at::Tensor& w, const c10::optional<at::Tensor>& scale, int q, const char* op,
+                         const char* warg, const char* sarg) {
+  check_cpu(w, op, warg, 3, {weight_dtype(q)});
+  const int64_t E = w.size(0), N = w.size(1), K = q == fe::kMXFP4 ? 2 * w.size(2) : w.size(2);
+  MOELAB_CHECK(E >= 1 && N >= 1 && K >= 1, op, warg, "must have nonzero sizes, got ", w.sizes());
+  if (q == fe::kMXFP4) MOELAB_CHECK(K % fe::kMxBlock == 0, op, warg, "mxfp4 needs K a multiple of 32, got ", K);
+  if (q == fe::kBF16) {
+    MOELAB_CHECK(!scale.has_value(), op, sarg, "must be None for quant 'bf16'");
+  } else {
+    MOELAB_CHECK(scale.has_value(), op, sarg, "is required for quant '", q == fe::kFP8 ? "fp8_block" : "mxfp4", "'");
+    if (q == fe::kFP8) {
+      check_cpu(*scale, op, sarg, 3, {at::kFloat});
+      check_shape(*scale, op, sarg, {E, fe::cdiv(N, fe::kFp8Block), fe::cdiv(K, fe::kFp8Block)});
+    } else {
+      check_cpu(*scale, op, sarg, 3, {at::kByte});
+      check_shape(*scale, op, sarg, {E, N, K / fe::kMxBlock});
+    }
+  }
+  return K;
+}
+
 // Packs one weight matrix of fused_experts ([E][N][K] standard layout) into the blocked
 // VNNI layout; returns (packed [E][bytes], scales (fp8: a contiguous copy; mxfp4: packed;
 // bf16: empty), slow flags [E][n_tiles]).
@@ -330,50 +390,120 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> prepack_cpu(const at::Tensor& w,
                                                            const c10::optional<at::Tensor>& scale,
                                                            c10::string_view quant) {
   const int q = quant_code(quant, kPackOp);
-  check_cpu(w, kPackOp, "w", 3, {weight_dtype(q)});
-  const int64_t E = w.size(0), N = w.size(1), K = q == fe::kMXFP4 ? 2 * w.size(2) : w.size(2);
-  MOELAB_CHECK(E >= 1 && N >= 1 && K >= 1, kPackOp, "w", "must have nonzero sizes, got ", w.sizes());
-  if (q == fe::kMXFP4) MOELAB_CHECK(K % fe::kMxBlock == 0, kPackOp, "w", "mxfp4 needs K a multiple of 32, got ", K);
+  const int64_t K = check_std_weight(w, scale, q, kPackOp, "w", "scale");
+  const int64_t E = w.size(0), N = w.size(1);
   at::Tensor s;
-  if (q == fe::kBF16) {
-    MOELAB_CHECK(!scale.has_value(), kPackOp, "scale", "must be None for quant 'bf16'");
-    s = at::empty({0}, w.options().dtype(at::kFloat));
-  } else {
-    MOELAB_CHECK(scale.has_value(), kPackOp, "scale", "is required for quant '", std::string(quant), "'");
-    if (q == fe::kFP8) {
-      check_cpu(*scale, kPackOp, "scale", 3, {at::kFloat});
-      check_shape(*scale, kPackOp, "scale", {E, fe::cdiv(N, fe::kFp8Block), fe::cdiv(K, fe::kFp8Block)});
-      s = scale->clone();
-    } else {
-      check_cpu(*scale, kPackOp, "scale", 3, {at::kByte});
-      check_shape(*scale, kPackOp, "scale", {E, N, K / fe::kMxBlock});
-      s = at::empty({E, fe::n16(N) * fe::mx_scale_group_bytes(K)}, w.options().dtype(at::kByte));
-    }
-  }
+  if (q == fe::kBF16) s = at::empty({0}, w.options().dtype(at::kFloat));
+  else if (q == fe::kFP8) s = at::empty(scale->sizes(), scale->options());
+  else s = at::empty({E, fe::n16(N) * fe::mx_scale_group_bytes(K)}, w.options().dtype(at::kByte));
   at::Tensor packed = at::empty({E, fe::expert_bytes(q, N, K)}, w.options().dtype(at::kByte));
   at::Tensor slow = at::empty({E, fe::n_tiles(N)}, w.options().dtype(at::kByte));
-  const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
-  uint8_t* pp = packed.data_ptr<uint8_t>();
-  uint8_t* sp = slow.data_ptr<uint8_t>();
-  const int64_t N16 = fe::n16(N), gb = fe::group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
-  const int64_t nt = fe::n_tiles(N), rb = fe::row_bytes(q, K);
-  const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
-  at::parallel_for(0, E * nt, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t e = i / nt, t = i % nt;
-      const int64_t g0 = t * fe::kTileGroups, ng = std::min(fe::kTileGroups, N16 - g0);
-      uint8_t* tw = pp + e * N16 * gb + g0 * gb;
-      fe::pack_groups(q, wp + e * N * rb, N, K, g0, ng, tw);
-      const float* fs = q == fe::kFP8 ? s.data_ptr<float>() + e * nbn * nbk : nullptr;
-      uint8_t* ms = nullptr;
-      if (q == fe::kMXFP4) {
-        ms = s.data_ptr<uint8_t>() + e * N16 * sgb + g0 * sgb;
-        fe::pack_mx_scales(scale->data_ptr<uint8_t>() + e * N * (K / fe::kMxBlock), N, K, g0, ng, ms);
-      }
-      sp[e * nt + t] = fe::tile_needs_slow(q, tw, ng, K, t, fs, ms) ? 1 : 0;
-    }
-  });
+  std::vector<int64_t> all(static_cast<size_t>(E));
+  for (int64_t e = 0; e < E; ++e) all[size_t(e)] = e;
+  pack_experts_into(q, w, scale, N, K, all, packed.data_ptr<uint8_t>(),
+                    q == fe::kFP8 ? s.data_ptr<float>() : nullptr,
+                    q == fe::kMXFP4 ? s.data_ptr<uint8_t>() : nullptr, slow.data_ptr<uint8_t>());
   return {packed, s, slow};
+}
+
+// The buffers of one matrix in the prepacked layout, as prepack_moe_weight returns them.
+void check_packed_buffers(int q, int64_t E, int64_t N, int64_t K, const at::Tensor& p,
+                          const c10::optional<at::Tensor>& s, const at::Tensor& f, const char* op,
+                          const char* parg, const char* sarg, const char* farg) {
+  check_cpu(p, op, parg, 2, {at::kByte});
+  check_shape(p, op, parg, {E, fe::expert_bytes(q, N, K)});
+  check_cpu(f, op, farg, 2, {at::kByte});
+  check_shape(f, op, farg, {E, fe::n_tiles(N)});
+  if (q == fe::kBF16) {
+    MOELAB_CHECK(!s.has_value(), op, sarg, "must be None for quant 'bf16'");
+    return;
+  }
+  MOELAB_CHECK(s.has_value(), op, sarg, "is required for quant '", q == fe::kFP8 ? "fp8_block" : "mxfp4", "'");
+  if (q == fe::kFP8) {
+    check_cpu(*s, op, sarg, 3, {at::kFloat});
+    check_shape(*s, op, sarg, {E, fe::cdiv(N, fe::kFp8Block), fe::cdiv(K, fe::kFp8Block)});
+  } else {
+    check_cpu(*s, op, sarg, 2, {at::kByte});
+    check_shape(*s, op, sarg, {E, fe::n16(N) * fe::mx_scale_group_bytes(K)});
+  }
+}
+
+// The pack cache's op (optimized/pack_cache.py): packs, into the preallocated prepacked-layout
+// buffers of both matrices, every expert that topk_ids routes to and whose flag in done[E] is
+// still 0, then sets those flags; returns how many experts it packed. The ids are scanned here
+// (T*K reads, no host copy, no sort); -1 is skipped, anything else outside [0, E) raises before
+// a byte is written. The caller serializes calls on one set of buffers (the entry's lock); a
+// flag is set only after both matrices of its expert are written, so a reader that sees it set
+// (under the same lock) never reads a half-written pack.
+int64_t pack_experts_cpu(const at::Tensor& topk_ids, const at::Tensor& done, const at::Tensor& w13,
+                         const c10::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
+                         const c10::optional<at::Tensor>& w2_scale, c10::string_view quant,
+                         const at::Tensor& p13, const c10::optional<at::Tensor>& q13, const at::Tensor& f13,
+                         const at::Tensor& p2, const c10::optional<at::Tensor>& q2, const at::Tensor& f2) {
+  constexpr const char* op = "pack_moe_experts";
+  const int q = quant_code(quant, op);
+  const int64_t K1 = check_std_weight(w13, w13_scale, q, op, "w13", "w13_scale");
+  const int64_t K2 = check_std_weight(w2, w2_scale, q, op, "w2", "w2_scale");
+  const int64_t E = w13.size(0), N1 = w13.size(1), N2 = w2.size(1);
+  MOELAB_CHECK(w2.size(0) == E && N2 == K1 && 2 * K2 == N1, op, "w2", "must have shape [E, H, I] matching w13 ",
+               w13.sizes(), ", got ", w2.sizes());
+  check_packed_buffers(q, E, N1, K1, p13, q13, f13, op, "p13", "q13", "f13");
+  check_packed_buffers(q, E, N2, K2, p2, q2, f2, op, "p2", "q2", "f2");
+  check_cpu(done, op, "done", 1, {at::kByte});
+  check_shape(done, op, "done", {E});
+  check_cpu(topk_ids, op, "topk_ids", 2, {at::kInt}, /*contiguous=*/false);
+  uint8_t* dp = done.data_ptr<uint8_t>();
+  const int32_t* ip = topk_ids.data_ptr<int32_t>();
+  const int64_t T = topk_ids.size(0), K = topk_ids.size(1), s0 = topk_ids.stride(0), s1 = topk_ids.stride(1);
+  std::vector<uint8_t> want(static_cast<size_t>(E), 0);
+  std::vector<int64_t> todo;
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t j = 0; j < K; ++j) {
+      const int64_t e = ip[t * s0 + j * s1];
+      if (e == -1) continue;
+      MOELAB_CHECK(e >= 0 && e < E, op, "topk_ids", "holds ", e, ", outside the valid range [-1, ", E, ")");
+      if (!dp[e] && !want[size_t(e)]) {
+        want[size_t(e)] = 1;
+        todo.push_back(e);
+      }
+    }
+  if (todo.empty()) return 0;
+  auto fp8 = [&](const c10::optional<at::Tensor>& s) { return q == fe::kFP8 ? s->data_ptr<float>() : nullptr; };
+  auto mx = [&](const c10::optional<at::Tensor>& s) { return q == fe::kMXFP4 ? s->data_ptr<uint8_t>() : nullptr; };
+  pack_experts_into(q, w13, w13_scale, N1, K1, todo, p13.data_ptr<uint8_t>(), fp8(q13), mx(q13), f13.data_ptr<uint8_t>());
+  pack_experts_into(q, w2, w2_scale, N2, K2, todo, p2.data_ptr<uint8_t>(), fp8(q2), mx(q2), f2.data_ptr<uint8_t>());
+  for (int64_t e : todo) dp[e] = 1;
+  return int64_t(todo.size());
+}
+
+// pack_moe_experts for tensors with the negative bit (torch._neg_view): like permute_out
+// (csrc/torch/permute.cpp), torch's generic Negative fallback mishandles mutable arguments
+// that are not returned, so a buffer with the bit is refused (the op writes raw bytes) and an
+// input with it is materialized before the backend kernel runs.
+int64_t pack_experts_negative(const at::Tensor& topk_ids, const at::Tensor& done, const at::Tensor& w13,
+                              const c10::optional<at::Tensor>& w13_scale, const at::Tensor& w2,
+                              const c10::optional<at::Tensor>& w2_scale, c10::string_view quant,
+                              const at::Tensor& p13, const c10::optional<at::Tensor>& q13, const at::Tensor& f13,
+                              const at::Tensor& p2, const c10::optional<at::Tensor>& q2, const at::Tensor& f2) {
+  const std::pair<const at::Tensor*, const char*> outs[] = {
+      {&done, "done"}, {&p13, "p13"}, {&f13, "f13"}, {&p2, "p2"}, {&f2, "f2"},
+      {q13.has_value() ? &*q13 : nullptr, "q13"}, {q2.has_value() ? &*q2 : nullptr, "q2"}};
+  for (const auto& [t, name] : outs)
+    MOELAB_CHECK(t == nullptr || !t->is_neg(), "pack_moe_experts", name,
+                 "must not be a negative view (torch._neg_view): the op writes its buffers as they are");
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("moelab::pack_moe_experts", "")
+                       .typed<int64_t(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, c10::string_view, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+                                      const c10::optional<at::Tensor>&, const at::Tensor&)>();
+  c10::impl::ExcludeDispatchKeyGuard no_neg(c10::DispatchKey::Negative);
+  auto res = [](const c10::optional<at::Tensor>& t) -> c10::optional<at::Tensor> {
+    return t.has_value() ? c10::optional<at::Tensor>(t->resolve_neg()) : c10::nullopt;
+  };
+  return op.call(topk_ids.resolve_neg(), done, w13.resolve_neg(), res(w13_scale), w2.resolve_neg(), res(w2_scale),
+                 quant, p13, q13, f13, p2, q2, f2);
 }
 
 const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512Bf16);
@@ -387,8 +517,13 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
         "Tensor? w2_slow, Tensor? w13_bias, Tensor? w2_bias, str activation, float alpha, float limit, "
         "int policy, int m_cross, bool apply_router_weight_on_input=False) -> Tensor");
   m.def("prepack_moe_weight(Tensor w, Tensor? scale, str quant) -> (Tensor, Tensor, Tensor)");
+  m.def("pack_moe_experts(Tensor topk_ids, Tensor(a!) done, Tensor w13, Tensor? w13_scale, Tensor w2, "
+        "Tensor? w2_scale, str quant, Tensor(b!) p13, Tensor(c!)? q13, Tensor(d!) f13, Tensor(e!) p2, "
+        "Tensor(f!)? q2, Tensor(g!) f2) -> int");
 }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) {
   m.impl("fused_experts", &moelab::fused_experts_cpu);
   m.impl("prepack_moe_weight", &moelab::prepack_cpu);
+  m.impl("pack_moe_experts", &moelab::pack_experts_cpu);
 }
+TORCH_LIBRARY_IMPL(moelab, Negative, m) { m.impl("pack_moe_experts", &moelab::pack_experts_negative); }
