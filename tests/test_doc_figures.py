@@ -45,13 +45,14 @@ GROUP = re.compile(
     rf"(?<![\w.=])(?P<nums>{NUM}(?:(?:\s*/\s*|,\s*|\.\.|-|\s+to\s+|\s+or\s+){NUM})*)"
     rf"(?P<unit>{UNIT})(?![\w/])"
     rf"(?:\s*\((?P<lo>{NUM})\.\.(?P<hi>{NUM}))?")
-BARE = re.compile(r"(?P<pre>(?:>=|<=|>|<|~|≥|≤)\s*)?(?<![\w.=])(?P<num>\d+\.\d{3,})(?![\w.])")
+BARE = re.compile(r"(?P<pre>(?:>=|<=|>|<|~|≥|≤)\s*)?(?<![\w.=])(?P<num>\d+\.\d{3,})(?!\w|\.\d)")
+DATE = re.compile(r"\b\d{4}-\d{2}-\d{2}\b")
 LINK = re.compile(r"\]\(([^)]*)\)")
 
 
 def figures(text: str) -> list[tuple[str, str]]:
     """(number as printed, unit) of each checked figure in `text` (rules 2 and 3)."""
-    text = re.sub(r"`[^`]*`", " ", LINK.sub("]", text))
+    text = DATE.sub(" ", re.sub(r"`[^`]*`", " ", LINK.sub("]", text)))
     out, spans = [], []
     for m in GROUP.finditer(text):
         spans.append(m.span())
