@@ -156,7 +156,7 @@ def cross_text(q):
     """m* as measured, or, where tune.crossover returns its sentinel (max grid m + 1: blocked never
     beat tiny at the largest m measured), that no crossover was found: the sentinel is not a measurement."""
     m = m_cross[q]
-    return str(m) if m <= max(M_GRID) else f"none up to m = {max(M_GRID)} (tiny faster throughout)"
+    return str(m) if m <= max(M_GRID) else f"none (tiny faster at every m up to {max(M_GRID)})"
 
 
 print("measured crossover m* (blocked from m*):", {q: cross_text(q) for q in m_cross}, "| vLLM FP8: m > 4, i.e. from 5 |",
