@@ -150,7 +150,16 @@ for q in ("fp8_block", "mxfp4", "bf16"):
                   {"quant": q, "m": m, "kernel": "blocked", "us": tb * 1e6}]
 cross = pd.DataFrame(cross)
 nb.write_results(NAME + "_crossover", cross)
-print("measured crossover m* (blocked from m*):", m_cross, "| vLLM FP8: m > 4, i.e. from 5 |",
+
+
+def cross_text(q):
+    """m* as measured, or, where tune.crossover returns its sentinel (max grid m + 1: blocked never
+    beat tiny at the largest m measured), that no crossover was found: the sentinel is not a measurement."""
+    m = m_cross[q]
+    return str(m) if m <= max(M_GRID) else f"none (tiny faster at every m up to {max(M_GRID)})"
+
+
+print("measured crossover m* (blocked from m*):", {q: cross_text(q) for q in m_cross}, "| vLLM FP8: m > 4, i.e. from 5 |",
       "used by auto:", {q: optimized.dispatch.fused_experts_m_cross(q)[0] for q in m_cross})
 uni = grid[grid["dist"] == "uniform"]
 for name, g in uni.groupby("shape"):
@@ -221,7 +230,7 @@ gm_qw = nb.geomean(qw["speedup"])
 per_dist = "; ".join(f"{k} {v:.3f}" for k, v in summary.loc["all shapes"].items() if k != "all routings")
 u = tp4[tp4["dist"] == "uniform"].iloc[0]
 others = "; ".join(f"{r.dist} {r.speedup:.2f}x" for r in tp4.itertuples() if r.dist != "uniform")
-mx = ", ".join(f"{q} {m}" for q, m in m_cross.items())
+mx = ", ".join(f"{q} {cross_text(q)}" for q in m_cross)
 why_kernel = (f"kernel-level CPU analogue ({stamp['cpu']}, {stamp['threads']} thread(s), {stamp['isa']}) of a serving "
               f"benchmark on another CPU, with our tiny/blocked kernels (not oneDNN's TinyGEMM/BRGEMM) and synthetic "
               f"routing")
@@ -246,12 +255,12 @@ verdicts = [
                    f"(global {u.global_us:.0f} us -> per_block {u.per_block_us:.0f} us)" + (f"; {others}" if others else ""),
                    u.speedup, nb.judge(u.speedup, 1.59),
                    f"{why_kernel}; at T=32 the old rule's avg_m = 4 keeps every block on tiny, per_block moves the "
-                   f"m >= 5 blocks to blocked, but our mxfp4 tiny kernel stays faster up to m* = {m_cross['mxfp4']} "
+                   f"m >= 5 blocks to blocked, but our mxfp4 tiny kernel stays faster up to m* = {cross_text('mxfp4')} "
                    f"here, so the switch does not pay; I = 720 padded to 736 for the MXFP4 block; only the ratio is "
                    f"comparable (not tok/s)"),
     nb.verdict_row("000-fp8-brgemm-threshold",
-                   f"measured crossover for fp8_block: blocked from m = {m_cross['fp8_block']} (vLLM: m > 4, i.e. 5); "
-                   f"mxfp4 {m_cross['mxfp4']}, bf16 {m_cross['bf16']}",
+                   f"measured crossover for fp8_block: blocked from m = {cross_text('fp8_block')} (vLLM: m > 4, i.e. 5); "
+                   f"mxfp4 {cross_text('mxfp4')}, bf16 {cross_text('bf16')}",
                    m_cross["fp8_block"],
                    "reproduced" if abs(m_cross["fp8_block"] - 5) <= 1 else "partly" if abs(m_cross["fp8_block"] - 5) <= 3
                    else "not",
