@@ -282,7 +282,7 @@ def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequenc
     return cells
 
 
-def bad_input_outcomes(name: str, timeout_s: float = 240.0) -> List[dict]:
+def bad_input_outcomes(name: str, timeout_s: float = 90.0) -> List[dict]:
     """Run the adapter's malformed calls in a subprocess, one after another; a probe during
     which the process dies is recorded as a crash, and the rest run in a fresh process."""
     out: List[dict] = []
@@ -314,8 +314,10 @@ def bad_input_outcomes(name: str, timeout_s: float = 240.0) -> List[dict]:
             out.append({"index": start, "probe": "(probe process)", "outcome": "error",
                         "detail": f"the probe process failed (rc {rc}) before a probe started"})
             return out
-        out.append({"index": started["index"], "probe": started["probe"], "outcome": "crash",
-                    "detail": f"the process died (rc {rc})"})
+        hang = rc == "timeout"
+        out.append({"index": started["index"], "probe": started["probe"], "outcome": "hang" if hang else "crash",
+                    "detail": f"no answer within {timeout_s:.0f} s (the process was killed)" if hang
+                    else f"the process died (rc {rc})"})
         start = started["index"] + 1
     return out
 

@@ -5,6 +5,7 @@ input is recorded as a crash; a line {"start": ...} precedes each call. Outcomes
   error     the call raised (the message is kept: does it say what is wrong?)
   silent    the call returned without an error (SPEC: a bad input must raise): the output's
             finiteness is recorded, since garbage is what a silent call usually returns
+(check.py adds crash: the process died during the call; hang: no answer within the timeout)
 """
 from __future__ import annotations
 
