@@ -27,6 +27,24 @@ class NotCovered(Exception):
     not a pass; counted apart."""
 
 
+def bf16_moe_activation(quant: str, activation: str, alpha: float, limit: float,
+                        apply_router_weight_on_input: bool) -> str:
+    """The activation name of vLLM-style bf16 MoE kernels (vLLM's cpu_fused_moe, zentorch's
+    fused MoE) for a fused_experts call, or NotCovered for what they do not take: other weight
+    formats, the weight on the input (vLLM applies it outside the kernel), swiglu_oai with other
+    than its fixed alpha = 1.702 and limit = 7.0."""
+    if quant != "bf16":
+        raise NotCovered(f"quant {quant!r}")
+    if apply_router_weight_on_input:
+        raise NotCovered("apply_router_weight_on_input (applied outside the kernel by vLLM)")
+    act = {"silu": "silu", "swiglu_oai": "swigluoai"}.get(activation)
+    if act is None:
+        raise NotCovered(f"activation {activation!r}")
+    if act == "swigluoai" and (alpha != 1.702 or limit != 7.0):
+        raise NotCovered("swigluoai with alpha/limit other than 1.702/7.0 (fixed in the kernel)")
+    return act
+
+
 @dataclass(frozen=True)
 class Deviation:
     """One declared way an implementation's contract differs from SPEC.

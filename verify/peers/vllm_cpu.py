@@ -32,7 +32,7 @@ from types import SimpleNamespace
 
 import torch
 
-from . import Coverage, Deviation, Impl, NotCovered, not_run
+from . import Coverage, Deviation, Impl, NotCovered, bf16_moe_activation, not_run
 
 ISA = "vec"
 BIASED_TOPK_SHAPES = {64: (6, 8), 128: (6, 8), 256: (6, 8, 9), 384: (6, 8)}
@@ -88,13 +88,7 @@ def make_fused_experts(C):
                       apply_router_weight_on_input=False):
         if quant != "bf16":
             raise NotCovered(f"quant {quant!r} (torch.ops._C.fused_experts_cpu is not adapted yet)")
-        if apply_router_weight_on_input:
-            raise NotCovered("apply_router_weight_on_input (vLLM applies it outside the kernel, K = 1 only)")
-        act = {"silu": "silu", "swiglu_oai": "swigluoai"}.get(activation)
-        if act is None:
-            raise NotCovered(f"activation {activation!r}")
-        if act == "swigluoai" and (alpha != 1.702 or limit != 7.0):
-            raise NotCovered("swigluoai with alpha/limit other than 1.702/7.0 (fixed in the kernel)")
+        act = bf16_moe_activation(quant, activation, alpha, limit, apply_router_weight_on_input)
         E, two_i, H = w13.shape
         I = two_i // 2
         if topk_ids.numel() and bool((topk_ids < 0).any()):

@@ -15,22 +15,14 @@ from types import SimpleNamespace
 
 import torch
 
-from . import Coverage, Deviation, Impl, NotCovered, not_run
+from . import Coverage, Deviation, Impl, NotCovered, bf16_moe_activation, not_run
 
 
 def make_fused_experts(Z):
     def fused_experts(x, w13, w2, topk_weights, topk_ids, *, quant, w13_scale=None, w2_scale=None, w13_bias=None,
                       w2_bias=None, activation="silu", alpha=1.702, limit=7.0, dispatch="auto",
                       apply_router_weight_on_input=False):
-        if quant != "bf16":
-            raise NotCovered(f"quant {quant!r}")
-        if apply_router_weight_on_input:
-            raise NotCovered("apply_router_weight_on_input (applied outside the kernel by vLLM)")
-        act = {"silu": "silu", "swiglu_oai": "swigluoai"}.get(activation)
-        if act is None:
-            raise NotCovered(f"activation {activation!r}")
-        if act == "swigluoai" and (alpha != 1.702 or limit != 7.0):
-            raise NotCovered("swigluoai with alpha/limit other than 1.702/7.0")
+        act = bf16_moe_activation(quant, activation, alpha, limit, apply_router_weight_on_input)
         ids = topk_ids.to(torch.int32)
         active = torch.unique(ids[(ids >= 0) & (ids < w13.shape[0])]).numel()
         if active < 2:   # the kernel's own documented limit (its error: "requires at least 2 active experts")
