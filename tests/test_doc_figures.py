@@ -191,20 +191,20 @@ def test_figure_parsing():
 
 @pytest.mark.parametrize("doc", [
     f"Measured ({SRC}): decode 2.35x.",                       # invented ratio
-    f"Measured ({SRC}): bandwidth 17.0 GB/s.",                 # 16.7 printed at one more decimal
-    f"Measured ({SRC}):\n\n| a | 2.34x (1.82..2.69) |",        # invented max, table row
-    "No source: 2.34x.",                                       # no cited file
+    f"Measured ({SRC}): bandwidth 34.0 GB/s.",                 # 33.6 printed at one more decimal
+    f"Measured ({SRC}):\n\n| a | 1.48x (1.47..1.58) |",        # invented max, table row
+    "No source: 1.48x.",                                       # no cited file
     f"Measured ({SRC}): geomean 1.115.",                       # bare geomean not in the file
-    f"Measured ({SRC}): 2.340x.",                              # more decimals than the file prints
+    f"Measured ({SRC}): 1.480x.",                              # more decimals than the file prints
 ])
 def test_invented_figure_fails(doc):
     assert check(doc), doc
 
 
 @pytest.mark.parametrize("doc", [
-    f"Measured ({SRC}): 2.34x (1.82..2.68), read bandwidth 16.7, 28.6 GB/s; 17-29 GB/s.",
-    f"Measured ({SRC}):\n\n| a | 4.38x (2.59..4.99) |",       # the row takes the paragraph's source
-    f"Measured ({SRC}): 2.3x; a target >= 9.99x, ~7.77x estimated, 5x.",
+    f"Measured ({SRC}): 1.48x (1.47..1.51), read bandwidth 33.6, 35.9 GB/s; 34-36 GB/s.",
+    f"Measured ({SRC}):\n\n| a | 1.79x (1.74..1.84) |",       # the row takes the paragraph's source
+    f"Measured ({SRC}): 1.5x; a target >= 9.99x, ~7.77x estimated, 5x.",
 ])
 def test_real_figure_passes(doc):
     assert check(doc) == [], check(doc)
