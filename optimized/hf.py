@@ -52,7 +52,9 @@ class MoELayer(torch.nn.Module):
     """One MoE layer of a family on moelab's optimized kernels (module docstring).
 
     Holds the converted weights (prepacked for the CPU kernels when `prepack`), the family's
-    arguments, and nothing of the transformers block. forward(hidden_states[..., H]) -> same
+    arguments, and nothing of the transformers block. The weights are plain attributes, not
+    parameters or buffers: the layer is for CPU inference, `state_dict()` does not hold them and
+    `.to(device)` does not move them (load, then patch). forward(hidden_states[..., H]) -> same
     shape and dtype (a tuple (out, None) when the replaced block returned one).
     """
 
