@@ -413,6 +413,29 @@ def test_fused_experts_odd_sizes_and_strides(emu, quant):
         assert same_bits(fe_ok(emu, xo, w13, w2, tw, ids, kw, policy), fe_ok(emu, x, w13, w2, tw, ids, kw, policy))
 
 
+def exact_sum_weights(quant, E, H, I, g, signed):
+    """(w13, w13_scale, w2, w2_scale) of `quant` whose sums are exact in any order: small-integer
+    W13 (power-of-two scales) and one nonzero per W2 row, of magnitude 1 or 2 (either sign when
+    `signed`)."""
+    onehot = torch.zeros(E, H, I)
+    mag = torch.randint(1, 3, (E, H), generator=g).float()
+    if signed:
+        mag = mag * torch.where(torch.rand(E, H, generator=g) < 0.5, -1.0, 1.0)
+    onehot[:, torch.arange(H), torch.arange(H) % I] = mag
+    if quant == "bf16":
+        return torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16(), None, onehot.bfloat16(), None
+    if quant == "fp8_block":
+        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
+        s13 = torch.exp2(torch.randint(-2, 2, (E, 1, 1), generator=g).float())
+        return w13, s13, onehot.to(torch.float8_e4m3fn), torch.full((E, 1, 1), 0.5)
+    w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
+    s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
+    c2 = torch.zeros(E, H, I, dtype=torch.uint8)
+    for v, c in {1.0: 2, 2.0: 4, -1.0: 10, -2.0: 12}.items():     # e2m1 codes
+        c2[onehot == v] = c
+    return w13, s13, c2[:, :, 0::2] | (c2[:, :, 1::2] << 4), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
 def test_fused_experts_bitwise_with_the_cpu_kernel(emu, quant):
     """(1) Order-sensitive inputs (fe_cancelling): the tiled SIMT path equals the CPU kernel at
@@ -430,24 +453,7 @@ def test_fused_experts_bitwise_with_the_cpu_kernel(emu, quant):
     E, H, I, T, K = 3, 64, 32, 6, 2
     g = torch.Generator().manual_seed(77)
     x = torch.randint(-3, 4, (T, H), generator=g).bfloat16()
-    onehot = torch.zeros(E, H, I)
-    onehot[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 3, (E, H), generator=g).float() * \
-        torch.where(torch.rand(E, H, generator=g) < 0.5, -1.0, 1.0)
-    if quant == "bf16":
-        w13 = torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16()
-        w2, s13, s2 = onehot.bfloat16(), None, None
-    elif quant == "fp8_block":
-        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
-        s13 = torch.exp2(torch.randint(-2, 2, (E, 1, 1), generator=g).float())
-        w2, s2 = onehot.to(torch.float8_e4m3fn), torch.full((E, 1, 1), 0.5)
-    else:
-        w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
-        s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
-        code = {1.0: 2, 2.0: 4, -1.0: 10, -2.0: 12}
-        c2 = torch.zeros(E, H, I, dtype=torch.uint8)
-        for v, c in code.items():
-            c2[onehot == v] = c
-        w2, s2 = (c2[:, :, 0::2] | (c2[:, :, 1::2] << 4)), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+    w13, s13, w2, s2 = exact_sum_weights(quant, E, H, I, g, signed=True)
     ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
     tw = torch.rand(T, K, generator=g)
     for act in ("silu", "swiglu_oai"):
@@ -596,22 +602,7 @@ def test_fused_experts_weighted_input_bitwise_with_the_cpu_kernel(emu, quant):
     E, H, I, T = 3, 64, 32, 6
     g = torch.Generator().manual_seed(78)
     x = torch.randint(-3, 4, (T, H), generator=g).bfloat16()
-    onehot = torch.zeros(E, H, I)
-    onehot[:, torch.arange(H), torch.arange(H) % I] = torch.randint(1, 3, (E, H), generator=g).float()
-    if quant == "bf16":
-        w13, s13 = torch.randint(-2, 3, (E, 2 * I, H), generator=g).bfloat16(), None
-        w2, s2 = onehot.bfloat16(), None
-    elif quant == "fp8_block":
-        w13 = torch.randint(-4, 5, (E, 2 * I, H), generator=g).float().to(torch.float8_e4m3fn)
-        s13 = torch.exp2(torch.randint(-2, 2, (E, 1, 1), generator=g).float())
-        w2, s2 = onehot.to(torch.float8_e4m3fn), torch.full((E, 1, 1), 0.5)
-    else:
-        w13 = torch.randint(0, 256, (E, 2 * I, H // 2), generator=g, dtype=torch.uint8)
-        s13 = torch.randint(125, 128, (E, 2 * I, H // 32), generator=g, dtype=torch.uint8)
-        c2 = torch.zeros(E, H, I, dtype=torch.uint8)
-        c2[onehot == 1.0] = 2
-        c2[onehot == 2.0] = 4
-        w2, s2 = (c2[:, :, 0::2] | (c2[:, :, 1::2] << 4)), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
+    w13, s13, w2, s2 = exact_sum_weights(quant, E, H, I, g, signed=False)
     for K in (1, 2):
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
         tw = torch.exp2(torch.randint(-2, 2, (T, K), generator=g).float()) * \
