@@ -88,7 +88,10 @@ def _fused_experts_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I,
 def _fused_experts_rows_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I, w13_scale, w2_scale,
                              w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross,
                              apply_router_weight_on_input=False, y_init=None):
-    _fake.check("fused_experts_rows", ("x", x, 2), ("topk_ids", topk_ids, 2), ("y_init", y_init, 2))
+    _fake.check("fused_experts_rows", ("x", x, 2), ("w13", w13, None), ("w2", w2, None),
+                ("topk_weights", topk_weights, 2), ("topk_ids", topk_ids, 2), ("w13_scale", w13_scale, None),
+                ("w2_scale", w2_scale, None), ("w13_slow", w13_slow, None), ("w2_slow", w2_slow, None),
+                ("w13_bias", w13_bias, 2), ("w2_bias", w2_bias, 2), ("y_init", y_init, 2))
     return x.new_empty((x.shape[0] * topk_ids.shape[1], x.shape[1]), dtype=torch.float32)
 
 

@@ -24,6 +24,7 @@ namespace moelab {
 namespace {
 
 constexpr const char* kOp = "fused_experts";
+constexpr const char* kDefaultOp = kOp;   // the checks below also serve fused_experts_rows
 constexpr const char* kPackOp = "prepack_moe_weight";
 
 int quant_code(c10::string_view q, const char* op) {
@@ -43,7 +44,7 @@ void check_shape(const at::Tensor& t, const char* op, const char* arg, at::IntAr
 
 // The scales of one weight matrix [E][N][K] (standard layout, or packed for mxfp4).
 void check_scale(const c10::optional<at::Tensor>& s, int q, bool packed, int64_t E, int64_t N,
-                 int64_t K, const char* arg) {
+                 int64_t K, const char* arg, const char* kOp = kDefaultOp) {
   if (q == fe::kBF16) {
     MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for quant 'bf16'");
     return;
@@ -61,7 +62,8 @@ void check_scale(const c10::optional<at::Tensor>& s, int q, bool packed, int64_t
   }
 }
 
-void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N, int64_t K, const char* arg) {
+void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N, int64_t K, const char* arg,
+                  const char* kOp = kDefaultOp) {
   if (packed) {
     check_cpu(w, kOp, arg, 2, {at::kByte});
     check_shape(w, kOp, arg, {E, fe::expert_bytes(q, N, K)});
@@ -71,7 +73,8 @@ void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N,
   }
 }
 
-void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int64_t N, const char* arg) {
+void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int64_t N, const char* arg,
+                const char* kOp = kDefaultOp) {
   if (!packed) {
     MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for standard-layout weights");
     return;
@@ -81,7 +84,7 @@ void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int6
   check_shape(*s, kOp, arg, {E, fe::n_tiles(N)});
 }
 
-void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const char* arg) {
+void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const char* arg, const char* kOp = kDefaultOp) {
   if (!b.has_value()) return;
   check_cpu(*b, kOp, arg, 2, {at::kFloat, at::kBFloat16});
   check_shape(*b, kOp, arg, {E, N});
@@ -173,14 +176,14 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
     MOELAB_CHECK(I % fe::kMxBlock == 0, kOp, "I", "must be a multiple of 32 for mxfp4, got I = ", I);
   }
   const int64_t N1 = 2 * I, K1 = H, N2 = H, K2 = I;
-  check_weight(w13, q, packed, E, N1, K1, "w13");
-  check_weight(w2, q, packed, E, N2, K2, "w2");
-  check_scale(w13_scale, q, packed, E, N1, K1, "w13_scale");
-  check_scale(w2_scale, q, packed, E, N2, K2, "w2_scale");
-  check_slow(w13_slow, packed, E, N1, "w13_slow");
-  check_slow(w2_slow, packed, E, N2, "w2_slow");
-  check_bias(w13_bias, E, N1, "w13_bias");
-  check_bias(w2_bias, E, N2, "w2_bias");
+  check_weight(w13, q, packed, E, N1, K1, "w13", kOp);
+  check_weight(w2, q, packed, E, N2, K2, "w2", kOp);
+  check_scale(w13_scale, q, packed, E, N1, K1, "w13_scale", kOp);
+  check_scale(w2_scale, q, packed, E, N2, K2, "w2_scale", kOp);
+  check_slow(w13_slow, packed, E, N1, "w13_slow", kOp);
+  check_slow(w2_slow, packed, E, N2, "w2_slow", kOp);
+  check_bias(w13_bias, E, N1, "w13_bias", kOp);
+  check_bias(w2_bias, E, N2, "w2_bias", kOp);
   check_cpu(topk_ids, kOp, "topk_ids", 2, {at::kInt}, /*contiguous=*/false);
   check_cpu(topk_weights, kOp, "topk_weights", 2, {at::kFloat}, /*contiguous=*/false);
   const int64_t K = topk_ids.size(1);
