@@ -99,7 +99,7 @@ tim = pd.DataFrame(cp.time_worlds(WORLDS, CFG))
 tim["layout"] = "ep" + tim.ep.astype(str) + "xtp" + tim.tp.astype(str)
 tim["note"] = "measured on a 2-core machine shared with other jobs (gloo, 1 thread per rank)"
 display(tim[["world", "layout", "tokens_per_rank", "variant", "median_ms", "min_ms", "max_ms"]].round(2))
-nb.write_results(f"{NAME}_gloo", tim)
+nb.write_results(NAME, tim)   # the measured table: results/<machine>/006_parallel.csv
 g = sns.catplot(data=tim, x="layout", y="median_ms", hue="variant", col="tokens_per_rank", kind="bar", height=3.2)
 g.fig.suptitle(f"one layer forward, E={CFG['E']} K={CFG['K']} H={CFG['H']} I={CFG['I']} bf16 "
                f"(measured on 2 shared cores)", y=1.04)
