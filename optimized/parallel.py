@@ -565,7 +565,12 @@ class ParallelMoE:
         dst = torch.where(valid.reshape(-1), torch.arange(T * K, dtype=torch.int32),
                           torch.full((T * K,), -1, dtype=torch.int32))
         cw = torch.ones(T, K, dtype=torch.float32) if awi else weights
-        routed = optimized.unpermute(Y, cw, dst).to(torch.bfloat16) if T else x.new_zeros(0, H)
+        routed32 = optimized.unpermute(Y, cw, dst) if T else torch.zeros(0, H)
+        # The f32 combine before its one rounding, kept for checks (verify --world compares it bit for bit
+        # with the single-process rows' combine: a TP chain that lost a bit shows here even where the bf16
+        # rounding would hide it).
+        self.last_routed_f32 = routed32
+        routed = routed32.to(torch.bfloat16)
         return _add_shared(x, routed, spec)
 
     def _compute(self, xr, wr, ir, y_init, exact):

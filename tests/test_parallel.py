@@ -156,6 +156,19 @@ def test_coverage(world, request):
     assert any(c["dist"] == "all_to_one" and c["ep"] == world for c in exact)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_fast_mode_differs_in_f32(world, request):
+    """Sensitivity: the fast mode (independent TP partials added) passes the tolerance but its
+    f32 combine differs from one process's in some bits, which the exact cases' f32 comparison
+    would flag; the TP chain is what makes them equal."""
+    res = request.getfixturevalue(f"world{world}")
+    fast = [r for r in res if not r["case"]["exact"] and r["case"]["tp"] > 1]
+    assert fast and all(r["ok"] for r in fast)
+    assert sum(x["f32_bits_differ"] for r in fast for x in r["ranks"]) > 0
+    exact = [r for r in res if r["case"]["exact"]]
+    assert all(x["f32_bits_differ"] == 0 for r in exact for x in r["ranks"])
+
+
 # ----------------------------------------------------------------------------- error paths
 def _error_worker(rank: int, world: int, out_dir: str) -> None:
     """Each scenario: every rank records what it raised (type, message)."""

@@ -5,7 +5,9 @@ One process group of N ranks (gloo, spawned here) runs every case: each case is 
 a routing distribution from verify/distributions.py, and a layout (ep x tp, contiguous or
 round-robin expert placement, padded or not). Every rank computes the single-process layer
 on the WHOLE batch and its own parallel output, and compares its rows:
-  exact mode (batch-invariant): bit for bit (any differing bit is a failure);
+  exact mode (batch-invariant): bit for bit (any differing bit is a failure), both the bf16
+  output and the f32 combine before its rounding (against the single-process fused_experts_rows
+  rows combined by unpermute: fused_experts' own last step);
   fast mode (independent TP partials): verify's fused_experts tolerance (verify/tolerance.py:
   at most 4x the eager PyTorch error against the f64 truth, plus the bf16 flip floor); the
   "worst" figure is then the error over tolerance (<= 1 passes), in exact mode the count of
@@ -131,6 +133,30 @@ def _tolerance_ok(out: torch.Tensor, x: torch.Tensor, spec, routing) -> tuple[bo
     return res.ratio <= 1.0, res.ratio
 
 
+def _f32_bits_differ(routed32: torch.Tensor, x: torch.Tensor, spec, routing, optimized) -> int:
+    """Elements where the layer's f32 combine differs in any bit from one process's (routing given
+    or recomputed by the single-process router)."""
+    if routing is None:
+        logits = optimized.router_gemm(x, spec.router_weight)
+        if spec.router_bias is not None:
+            logits = logits + spec.router_bias.to(logits.dtype)
+        routing = optimized.route(logits, spec.top_k, spec.method, **spec.route_kwargs())
+    w, ids = routing
+    T, K = ids.shape
+    if T == 0:
+        return 0 if routed32.shape == (0, spec.H) else -1
+    y = optimized.fused_experts_rows(x, spec.w13, spec.w2, w, ids, quant=spec.quant, w13_scale=spec.w13_scale,
+                                     w2_scale=spec.w2_scale, w13_bias=spec.w13_bias, w2_bias=spec.w2_bias,
+                                     activation=spec.activation, alpha=spec.alpha, limit=spec.limit,
+                                     apply_router_weight_on_input=spec.apply_router_weight_on_input)
+    dst = torch.where(ids.reshape(-1) >= 0, torch.arange(T * K, dtype=torch.int32), -1).to(torch.int32)
+    cw = torch.ones_like(w) if spec.apply_router_weight_on_input else w
+    want = optimized.unpermute(y, cw, dst)
+    if routed32.shape != want.shape:
+        return -1
+    return int((routed32.view(torch.int32) != want.view(torch.int32)).sum())
+
+
 def run_cases(rank: int, world: int, cases: list[ParallelCase]) -> list[dict]:
     """Inside an initialized group: every case; returns rank 0's view of all ranks' results."""
     import torch.distributed as dist
@@ -160,7 +186,14 @@ def run_cases(rank: int, world: int, cases: list[ParallelCase]) -> list[dict]:
             ok, worst = _tolerance_ok(out, x[a:b], spec, rt)
         shape_ok = tuple(out.shape) == tuple(want.shape)
         bits = int((out.view(torch.int16) != want.view(torch.int16)).sum()) if shape_ok else -1
-        mine = dict(rank=rank, rows=b - a, ok=bool(ok), worst=worst, shape_ok=shape_ok, bits_differ=bits)
+        # The f32 combine before rounding against the single-process rows' combine (fused_experts'
+        # own step 6 on fused_experts_rows: the same bits as its output before rounding, tested in
+        # tests/test_parallel.py): bf16 output rounding hides most f32 differences, this does not.
+        f32_bits = _f32_bits_differ(layer.last_routed_f32, x[a:b], spec, rt, optimized)
+        if c.exact and f32_bits != 0:
+            ok = False
+        mine = dict(rank=rank, rows=b - a, ok=bool(ok), worst=worst, shape_ok=shape_ok, bits_differ=bits,
+                    f32_bits_differ=f32_bits)
         allr: list = [None] * world
         dist.all_gather_object(allr, mine)
         results.append(dict(case=dataclasses.asdict(c), name=c.name(), world=world,
