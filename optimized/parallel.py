@@ -464,7 +464,7 @@ class ParallelMoE:
         import optimized
         if exact is None:
             exact = optimized.dispatch.batch_invariant()
-        spec, sh = self.spec, self.shard
+        spec = self.spec
         err, weights, ids = None, None, None
         try:
             if not (isinstance(x, torch.Tensor) and x.dim() == 2 and x.dtype == torch.bfloat16

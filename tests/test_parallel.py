@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 import optimized
-from optimized.parallel import (MoELayerSpec, ParallelError, ParallelMoE, comm_bytes_per_token, contiguous_owner,
+from optimized.parallel import (ParallelError, ParallelMoE, comm_bytes_per_token, contiguous_owner,
                                 expert_map_of, round_robin_owner, spawn, tp_slices)
 from verify.parallel import LAYER_DISTS, ParallelCase, default_cases, make_spec, run_world
 
