@@ -199,6 +199,9 @@ def _error_worker(rank: int, world: int, out_dir: str) -> None:
         emap[0] = -1
         emap = torch.where(emap > 0, emap - 1, emap)
     attempt("unowned_expert", lambda: ParallelMoE(spec, ep=world, expert_map=emap))
+    # 3b. the TP ranks of one group (ep = 1, tp = 2) with different maps
+    emap = torch.arange(8, dtype=torch.int32) if rank == 0 else torch.arange(8, dtype=torch.int32).flip(0)
+    attempt("tp_maps_differ", lambda: ParallelMoE(spec, ep=1, tp=world, expert_map=emap))
     # 4. a bad input on one rank at forward time: every rank raises, none hangs
     layer = ParallelMoE(spec, ep=world)
     x = torch.randn(5, spec.H).to(torch.bfloat16)
@@ -226,6 +229,8 @@ def test_errors_raise_on_every_rank(tmp_path):
         assert kind == "ValueError" and "argument 'expert_map'" in msg and "owned by EP groups 0 and 1" in msg
         kind, msg, _ = r["unowned_expert"]
         assert kind == "ValueError" and "owned by no EP group" in msg
+        kind, msg, _ = r["tp_maps_differ"]
+        assert kind == "ValueError" and "rank 1 holds a different expert_map from rank 0 of its EP group" in msg
         assert r["after"][0] == "ok"
     k0, m0, _ = ranks[0]["bad_x_one_rank"]
     k1, m1, _ = ranks[1]["bad_x_one_rank"]
