@@ -325,12 +325,31 @@ inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
   }
 }
 
+// The accumulators of rows [p, p + R), groups 0..NG-1 before the first k pair: +0, or the
+// f32 values g.init holds there (columns past N read as 0; they are never stored).
+template <int R, int NG>
+inline void acc_begin(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
+  const FeGemm& g = *o.g;
+  for (int r = 0; r < R; ++r) {
+    for (int gi = 0; gi < NG; ++gi) {
+      if (!g.init) {
+        acc[r][gi] = acc_zero();
+        continue;
+      }
+      const int64_t n0 = o.n_first + gi * fe::kGroupN;
+      const int nc = int(imin_(fe::kGroupN, g.N - n0));
+      alignas(64) float t[16] = {};
+      for (int c = 0; c < nc; ++c) t[c] = g.init[(p + r) * g.ldo + n0 + c];
+      acc[r][gi] = acc_load(t);
+    }
+  }
+}
+
 template <int R, int NG, class Dec>
 inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p,
                        Prefetch* pf) {
   Acc acc[R][NG];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  acc_begin<R, NG>(o, p, acc);
   run_rows<R, NG>(dec, a, lda, K2, acc, pf);
   store_rows<R, NG>(o, p, acc);
 }
@@ -362,8 +381,7 @@ template <int R, int NG>
 inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
                       int64_t K2, const Out& o, int64_t p, Prefetch* pf) {
   Acc acc[R][NG];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  acc_begin<R, NG>(o, p, acc);
   // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
   // index addressing), so two row pointers and the stride stay in registers.
   const char* a0 = reinterpret_cast<const char*>(a);
