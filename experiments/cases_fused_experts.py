@@ -76,7 +76,7 @@ class ShapeData:
     """Prepacked weights (rotating cold copies), biases, and optionally pre-dequantized bf16
     weights for the eager baseline (rotating too)."""
 
-    def __init__(self, name: str, eager: bool):
+    def __init__(self, name: str, eager: bool, min_copies: int = 2):
         s = SHAPES[name]
         self.name, self.s = name, s
         E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
@@ -84,7 +84,9 @@ class ShapeData:
         self.expert_bytes = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
         seeds = iter(range(1000))
 
-        self.packed = Rotating(lambda: self._packed(q, E, H, I, next(seeds)), E * self.expert_bytes)
+        self.min_copies = min_copies
+        self.packed = Rotating(lambda: self._packed(q, E, H, I, next(seeds)), E * self.expert_bytes,
+                               min_copies=min_copies)
         g = torch.Generator().manual_seed(7)
         self.b13 = torch.randn(E, 2 * I, generator=g) * 0.1 if s["bias"] else None
         self.b2 = torch.randn(E, H, generator=g) * 0.1 if s["bias"] else None
@@ -122,7 +124,8 @@ class ShapeData:
             s = self.s
             E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
             seeds = iter(range(2000, 3000))
-            self._std = Rotating(lambda: random_weights(q, E, H, I, seed=next(seeds)), E * self.expert_bytes)
+            self._std = Rotating(lambda: random_weights(q, E, H, I, seed=next(seeds)), E * self.expert_bytes,
+                                 min_copies=self.min_copies)
             for w in self._std.items:
                 warm_pack_cache(w, s)
         return self._std
@@ -186,12 +189,12 @@ def eager_moe(x, W13, W2, tw, ids, activation, b13=None, b2=None, alpha=1.702, l
 _current: dict = {}
 
 
-def shape_data(name: str, eager: bool) -> ShapeData:
+def shape_data(name: str, eager: bool, min_copies: int = 2) -> ShapeData:
     """One shape's data at a time (built on first use, the previous one released)."""
     d = _current.get(name)
     if d is None or (eager and d.eager is None):
         _current.clear()
-        d = _current[name] = ShapeData(name, eager)
+        d = _current[name] = ShapeData(name, eager, min_copies)
     return d
 
 
@@ -475,14 +478,16 @@ def _same_buffers(d: ShapeData) -> Rotating:
 
 
 def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), rounds: int = 7,
-               min_time: float = 0.05, progress=None, control: bool = False) -> list[dict]:
+               min_time: float = 0.05, progress=None, control: bool = False, copies: int = 2) -> list[dict]:
     """Issue 18: standard-layout weights through the pack cache against the same weights
     prepacked, decode (uniform routing), side by side in interleaved rounds (timing.compare),
     both rotating through cold copies. Every standard copy's entry is filled before timing
     (`ShapeData.standard`), so this is the steady state from the second call on; the rows
     record the cache's counters around the timing (no eviction, no packing may happen).
     ratio = prepacked time / cached time per round = cached bandwidth / prepacked bandwidth
-    (the same bytes): median, min, max over the rounds."""
+    (the same bytes): median, min, max over the rounds. copies: weight sets per side (at least;
+    more average over where each set happens to sit in memory, which moves a decode call by
+    several percent on this machine: the A/A control of --control)."""
     from optimized import pack_cache
     rows = []
     old = torch.get_num_threads()
@@ -490,7 +495,7 @@ def run_cached(shapes=CACHED_SHAPES, batch_sizes=CACHED_T, threads=(1, 2), round
         for name in shapes:
             _current.clear()
             pack_cache.clear()
-            d = shape_data(name, eager=False)
+            d = shape_data(name, eager=False, min_copies=copies)
             s = d.s
             d.standard()
             same = _same_buffers(d) if control else None
@@ -634,6 +639,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", nargs="+", choices=list(SHAPES), help="with --cached: these shapes only")
     p.add_argument("--T", nargs="+", type=int, help="with --cached: these batch sizes only")
     p.add_argument("--thread-counts", nargs="+", type=int, default=[1, 2], help="with --cached (default 1 2)")
+    p.add_argument("--copies", type=int, default=2, help="with --cached: weight sets per side (default 2)")
     p.add_argument("--summarize", nargs="+", metavar="TXT", help="summarize the printed output of --cached runs")
     a = p.parse_args(argv)
     if a.summarize:
@@ -660,7 +666,7 @@ def main(argv=None) -> int:
                       if "cached_vs_same" in r else ""), flush=True)
 
         rows = run_cached(shapes=a.shapes or CACHED_SHAPES, batch_sizes=a.T or CACHED_T, threads=a.thread_counts,
-                          rounds=a.rounds, progress=show, control=a.control)
+                          rounds=a.rounds, progress=show, control=a.control, copies=a.copies)
         print(f"# load average at the end {_loadavg()}")
         print("wrote", _rel(timing.write_csv(a.cached, rows)))
         costs = cache_costs(a.shapes or CACHED_SHAPES)

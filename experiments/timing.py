@@ -175,12 +175,13 @@ class Rotating:
     Decode kernels are judged against DRAM bandwidth: in a real model every layer has its
     own weights, so they do not sit in the cache between calls. Timing one small weight in a
     loop measures the cache instead (a pitfall DESIGN.md names). `Rotating(make, nbytes)`
-    builds enough copies (make() each) that together they exceed `cold_bytes`.
+    builds enough copies (make() each) that together they exceed `cold_bytes`, and at least
+    `min_copies` (more copies average over where each one happens to sit in memory).
     """
 
     def __init__(self, make: Callable[[], object], nbytes: int, cold_bytes: int = 384 << 20,
-                 max_copies: int = 64):
-        n = max(2, min(max_copies, -(-cold_bytes // max(nbytes, 1))))
+                 max_copies: int = 64, min_copies: int = 2):
+        n = max(min_copies, min(max_copies, -(-cold_bytes // max(nbytes, 1))))
         self.items = [make() for _ in range(n)]
         self.i = 0
 
