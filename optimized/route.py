@@ -111,7 +111,11 @@ _variant_op = torch.ops.moelab.route_variant.default
 @torch.library.register_fake("moelab::route_variant")
 def _route_variant_fake(logits, top_k, method, selection, bias=None, scaling=1.0, renormalize=None, n_group=1,
                         topk_group=1, norm_eps=None):
-    return _route_fake(logits, top_k, method, bias, scaling, renormalize, n_group, topk_group, norm_eps)
+    _fake.check("route_variant", ("logits", logits, 2), ("bias", bias, 1))
+    _fake.check_positive("route_variant", "top_k", top_k)
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.float32),
+            logits.new_empty((T, top_k), dtype=torch.int32))
 
 
 def route_variant(logits: torch.Tensor, top_k: int, method: str, *, selection: str,
