@@ -6,7 +6,8 @@
 #
 # `make experiments` runs every notebook in experiments/ headless and writes
 # experiments/REPORT.md, figures/, results/ (quick grids: ~6 min measured on this 2-core machine
-# with 1 thread, budget 20 min; FULL=1 for the full grids: ~17 min). MOELAB_NB_THREADS=N sets
+# with 1 thread, plus ~70 s for 006's gloo runs at world sizes 1-4, budget 20 min; FULL=1 for the
+# full grids: ~17 min). MOELAB_NB_THREADS=N sets
 # the torch threads (default: all cores, or 1 when a shared machine stalls parallel regions).
 PY      ?= python3
 VENV    := .venv
