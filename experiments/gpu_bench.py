@@ -2,6 +2,12 @@
 
     python -m experiments.gpu_bench --out DIR [--quick]      (scripts/gpu_check.sh runs it)
 
+Each seed's "before" is the seed's own before path, so a lent GPU measures the seeds'
+comparisons: 001 a cast kernel plus the f32 GEMM as two launches (router_gemm_impls), 002 the
+library GEMM (F.linear), 003 the allocating permute, 004 warp 0 alone selecting over every
+expert (route_variant "serial", route_impls) against the lane-owned kernel; other comparisons
+(the eager torch.topk chain) are rows of their own, not labelled "before".
+
 Method (see the seeds and issue 6's targets):
 - Each implementation is timed as a CUDA graph of `reps` back-to-back calls (small launches
   are dominated by CPU launch overhead otherwise), replayed `repeats` times; per-call time =
@@ -110,6 +116,59 @@ def add(op, case, impl, t, floor_us, note=""):
     print(f"  {op:12s} {case:34s} {impl:26s} {med:9.2f} us  [{p10:.2f}, {p90:.2f}]  floor {floor_us:.2f} us {note}")
 
 
+# ------------------------------------------------------------- the seeds' pairs, by label
+# Each *_impls function returns {label: callable} on the inputs' device: the moelab side (label
+# starting "moelab", what the notebooks read as "ours"), the seed's own "before" (label starting
+# "before:"), and any other comparison under a label that starts with neither. Torch-only, so
+# tests/test_gpu_bench.py runs them on the CPU.
+def router_gemm_impls(x, w) -> dict:
+    """Seed 001: before = a cast kernel (bf16 -> f32 into a buffer) and the f32 GEMM as two
+    separate launches; after = moelab's fused cast+GEMM (one launch)."""
+    xf = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+    def before():
+        xf.copy_(x)                       # launch 1: the cast
+        return torch.mm(xf, w.t())        # launch 2: the GEMM (cuBLAS; may split K itself)
+    return {"moelab fused cast": lambda: OPS.router_gemm(x, w),
+            "before: cast kernel + GEMM (2 launches)": before}
+
+
+def _route_plan_label(E, K) -> str:
+    try:
+        return gpu.route_plan(E, K).split(":")[0]
+    except Exception:                     # no GPU extension (the CPU tests)
+        return "cpu"
+
+
+def route_impls(logits, bias, K, scaling=2.5) -> dict:
+    """Seed 004: before = route_variant(selection="serial"), warp 0 alone scans every expert
+    while the other warps wait; after = selection "lanes", the tier table (what route runs:
+    the lane-owned block path at E 512..2048, K 9..32). The eager torch.topk chain is a third,
+    separate row: fusion, not the seed's change."""
+    E = logits.shape[1]
+    return {f"moelab lanes [{_route_plan_label(E, K)}]":
+            lambda: OPS.route_variant(logits, K, "sigmoid_bias", "lanes", bias, scaling),
+            "before: warp 0 alone (route_variant serial)":
+            lambda: OPS.route_variant(logits, K, "sigmoid_bias", "serial", bias, scaling),
+            "eager torch.topk chain (not seed 004's pair)":
+            lambda: eager_route_sigmoid_bias(logits, bias, K, scaling)}
+
+
+def check_route_pair(impls: dict) -> None:
+    """Validate before timing: the seed's two kernels give the same bits, the eager chain the same ids
+    (up to near-ties of its own sigmoid)."""
+    outs = {k: fn() for k, fn in impls.items()}
+    (wa, ia), (wb, ib) = [v for k, v in outs.items() if k.startswith(("moelab", "before:"))]
+    assert torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32)), \
+        "route_variant serial and lanes differ"
+
+
+ROUTE_SHAPES_QUICK = [(896, 16, 512), (512, 9, 512), (1024, 16, 512), (256, 8, 64)]
+# seed 004's headline, then its grid region (E 512..1024, K 9..16) and shapes outside it
+ROUTE_SHAPES = [(896, 16, 512), (896, 16, 64), (896, 16, 2048), (512, 9, 512), (512, 16, 512), (768, 12, 512),
+                (1024, 9, 512), (1024, 16, 512), (256, 8, 512), (128, 8, 64), (2048, 32, 256)]
+
+
 def bench_router_gemm(bw, lf, quick):
     H, E = 3072, 256
     w = torch.randn(E, H, device=DEV) / H ** 0.5
@@ -117,9 +176,9 @@ def bench_router_gemm(bw, lf, quick):
         x = torch.randn(T, H, device=DEV, dtype=torch.bfloat16)
         floor = max(lf, (E * H * 4 + T * H * 2 + T * E * 4) / bw * 1e6)
         case = f"T={T} H={H} E={E} bf16"
-        add("router_gemm", case, "moelab fused cast", graph_time(lambda: OPS.router_gemm(x, w)), floor)
-        add("router_gemm", case, "before: F.linear(x.float())", graph_time(lambda: F.linear(x.float(), w)), floor,
-            "seed 001's before path (cast + cuBLAS)")
+        for label, fn in router_gemm_impls(x, w).items():
+            add("router_gemm", case, label, graph_time(fn), floor,
+                "seed 001's before path" if label.startswith("before:") else "")
 
 
 def bench_skinny(bw, lf, quick):
@@ -145,16 +204,17 @@ def eager_route_sigmoid_bias(logits, bias, K, scaling):
 
 
 def bench_route(bw, lf, quick):
-    shapes = [(896, 16, 512), (256, 8, 512), (128, 8, 64), (2048, 32, 256)] if not quick else [(896, 16, 512), (256, 8, 64)]
-    for E, K, T in shapes:
+    for E, K, T in (ROUTE_SHAPES_QUICK if quick else ROUTE_SHAPES):
         logits = torch.randn(T, E, device=DEV)
         bias = torch.randn(E, device=DEV) * 0.1
         floor = max(lf, (T * E * 4 + T * K * 8) / bw * 1e6)
         case = f"E={E} K={K} T={T} sigmoid_bias"
-        add("route", case, f"moelab [{gpu.route_plan(E, K).split(':')[0]}]",
-            graph_time(lambda: OPS.route(logits, K, "sigmoid_bias", bias, 2.5)), floor)
-        add("route", case, "before: eager torch.topk", graph_time(lambda: eager_route_sigmoid_bias(logits, bias, K, 2.5)),
-            floor, "seed 004 compares against TRT-LLM's previous kernel; torch.topk is the eager way")
+        impls = route_impls(logits, bias, K)
+        check_route_pair(impls)
+        for label, fn in impls.items():
+            add("route", case, label, graph_time(fn), floor,
+                "seed 004's before (warp 0 alone)" if label.startswith("before:") else
+                "" if label.startswith("moelab") else "fusion vs the eager chain: a separate comparison")
 
 
 def eager_permute(hidden, ids, E):

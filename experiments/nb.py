@@ -21,6 +21,11 @@ Verdict rule (`judge`), the same for every claim that is a speed ratio (> 1 = be
     partly within +-10 %, not otherwise.
 A measured gain far above the claimed one still counts as reproduced; the why column says
 what differs (other hardware, other baseline).
+Only where the pairs match in mechanism: a claim whose pair (papers/claims.toml `our_pair`)
+differs from the seed's (`seed_pair`) in something other than the seed's change
+(`same_mechanism = false`), and any extra row on another pair (`analogue_row`), gets
+"analogue (<measured ratio>x)" instead (`verdict_row` applies this; a verdict on another pair
+says nothing about the seed's).
 """
 from __future__ import annotations
 
@@ -193,13 +198,31 @@ def judge(measured: float, lo: float, hi: float | None = None) -> str:
     return "partly" if measured > 1.02 else "not"
 
 
+def analogue_verdict(measured_ratio: float) -> str:
+    return f"analogue ({float(measured_ratio):.3g}x)"
+
+
 def verdict_row(cid: str, measured: str, measured_ratio: float | None, verdict: str, why: str,
                 gpu: str = "") -> dict:
+    """One claim's row. A reproduced / partly / not verdict on a claim whose pair is not the
+    seed's mechanism (same_mechanism false) becomes analogue_verdict(measured_ratio)."""
     c = claim(cid)
+    if verdict in ("reproduced", "partly", "not") and c.get("same_mechanism") is not True:
+        verdict = analogue_verdict(measured_ratio)
     return {"claim_id": cid, "seed": c["seed"], "claimed": c["reported"],
             "claimed_ratio": claimed_ratio_text(c), "measured": measured,
             "measured_ratio": "" if measured_ratio is None else round(float(measured_ratio), 4),
             "verdict": verdict, "why": why, "gpu": gpu}
+
+
+def analogue_row(row_id: str, cid: str, measured: str, measured_ratio: float, why: str, gpu: str = "") -> dict:
+    """An extra row on another pair than the claim's (e.g. 004's fused kernel vs the eager chain):
+    labelled `row_id` (not a claim id, so REPORT.md lists it apart), verdict analogue (ratio)."""
+    c = claim(cid)
+    return {"claim_id": row_id, "seed": c["seed"], "claimed": c["reported"],
+            "claimed_ratio": claimed_ratio_text(c), "measured": measured,
+            "measured_ratio": round(float(measured_ratio), 4), "verdict": analogue_verdict(measured_ratio),
+            "why": why, "gpu": gpu}
 
 
 def not_measurable_row(cid: str, related: str = "") -> dict:

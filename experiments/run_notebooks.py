@@ -122,8 +122,11 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
     ]
     counts: dict[str, int] = {}
     seen: dict[str, str] = {}
-    lines += ["## Claims", "", "| claim | reported (source) | claimed | measured here | verdict | why |",
-              "|---|---|---|---|---|---|"]
+    lines += ["## Claims", "",
+              "Each row names the seed's pair and ours (papers/claims.toml `seed_pair` / `our_pair`, "
+              "before -> after).", "",
+              "| claim | reported (source) | seed's pair | our pair | claimed | measured here | verdict | why |",
+              "|---|---|---|---|---|---|---|---|"]
     for c in claims:
         r = by_id.get(c["id"])
         if r is None:
@@ -134,19 +137,23 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
             else:
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
-        counts[r["verdict"]] = counts.get(r["verdict"], 0) + 1
-        seen[c["id"]] = r["verdict"]
+        kind = "analogue" if r["verdict"].startswith("analogue") else r["verdict"]
+        counts[kind] = counts.get(kind, 0) + 1
+        seen[c["id"]] = kind
         gpu = f" GPU: {r['gpu']}" if r.get("gpu") else ""
-        lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(r['claimed_ratio'])} | "
+        lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(c.get('seed_pair', '?'))} | "
+                     f"{_cell(c.get('our_pair', '?'))} | {_cell(r['claimed_ratio'])} | "
                      f"{_cell(r['measured'])}{_cell(gpu)} | **{r['verdict']}** | {_cell(r['why'])} |")
     lines += ["", "Summary: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
               + f" (of {len(claims)} claims).", ""]
     lines += ["Which claims held, per seed (counts of verdicts):", "",
-              "| seed | reproduced | partly | not | not measurable | not measured |", "|---|---|---|---|---|---|"]
+              "| seed | reproduced | partly | not | analogue | not measurable | not measured |",
+              "|---|---|---|---|---|---|---|"]
     for seed in sorted({c["seed"] for c in claims}):
         vs = [seen[c["id"]] for c in claims if c["seed"] == seed]
         lines.append(f"| {seed} | " + " | ".join(str(vs.count(v)) for v in
-                                                 ("reproduced", "partly", "not", "not measurable", "not measured")) + " |")
+                                                 ("reproduced", "partly", "not", "analogue", "not measurable",
+                                                  "not measured")) + " |")
     lines.append("")
     extra = [r for nbname, rows in verdicts.items() if nbname != "005_moe_layer"   # 005: its own table below
              for r in rows if r["claim_id"] not in {c["id"] for c in claims}]

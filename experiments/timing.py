@@ -101,6 +101,42 @@ def read_bandwidth(nbytes: int = 256 << 20) -> float:
     return _read_bw
 
 
+def llc_bytes() -> int:
+    """Size of the largest CPU cache (the last level), from sysfs; 32 MiB where it cannot be read."""
+    best = 0
+    for d in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (d / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        try:
+            best = max(best, int(text.rstrip("KMG")) * mult)
+        except ValueError:
+            continue
+    return best or (32 << 20)
+
+
+_cache_bw: dict[int, float] = {}
+
+
+def cache_bandwidth(nbytes: int) -> float:
+    """Bytes/s over a working set that stays in the caches, on this run's threads: the faster of
+    an f32 sum over a buffer of `size` bytes (bytes read) and a copy between two buffers of size/2
+    (bytes read + written), size = max(nbytes, 1 MiB) (below 1 MiB the call overhead, not the
+    cache, would decide). Medians of interleaved rounds; memoized per size for the run. A
+    benchmark row's floor at its own working-set size: whatever of it stays resident between
+    calls stays resident here too (also just above the last-level cache, where part of it does)."""
+    size = max(int(nbytes), 1 << 20)
+    size -= size % 8
+    if size not in _cache_bw:
+        x = torch.ones(size // 4, dtype=torch.float32)
+        a, b = torch.ones(size // 8, dtype=torch.float32), torch.empty(size // 8, dtype=torch.float32)
+        t = compare({"sum": lambda: x.sum(), "copy": lambda: b.copy_(a)}, rounds=3, min_time=0.05)
+        _cache_bw[size] = max(size / t["sum"].median, size / t["copy"].median)
+    return _cache_bw[size]
+
+
 def machine() -> dict[str, str]:
     """Where a result was measured: CPU model, ISA used, threads, torch version, the 1-minute
     load average now (above `cores` the machine was shared while measuring), and the GPU,

@@ -91,3 +91,49 @@ def _call(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize
     if scaling != 1.0:
         return _op(logits, top_k, method, bias, float(scaling))
     return _op(logits, top_k, method, bias)
+
+
+# ------------------------------------------------------- seed 004's before/after pair
+# Selection algorithms of moelab::route_variant, by name. Never chosen by a dispatcher: only the
+# experiments (004), the tests and verify call route_variant. Both give route's bits exactly.
+#   "lanes"   today's kernel, what route runs. CPU: SIMD lanes each keep the best keys of their
+#             strided experts while the keys are computed, then a compress-and-rank pass
+#             (csrc/cpu/route_kernel.h, step 3). GPU: the tier table (csrc/gpu/route.cu); at
+#             E 512..2048, K 9..32 the lane-owned block path.
+#   "serial"  seed 004's "before". CPU analogue: one scalar pass over all E order keys, each
+#             offered to a sorted top-K list. GPU: one block per token whose warp 0 alone
+#             scans every expert (each lane a sorted K-slot list of its strided experts) and
+#             merges them by K warp arg-max rounds while the other warps wait.
+SELECTIONS = ("lanes", "serial")
+_variant_op = torch.ops.moelab.route_variant.default
+
+
+@torch.library.register_fake("moelab::route_variant")
+def _route_variant_fake(logits, top_k, method, selection, bias=None, scaling=1.0, renormalize=None, n_group=1,
+                        topk_group=1, norm_eps=None):
+    _fake.check("route_variant", ("logits", logits, 2), ("bias", bias, 1))
+    _fake.check_positive("route_variant", "top_k", top_k)
+    T = logits.shape[0]
+    return (logits.new_empty((T, top_k), dtype=torch.float32),
+            logits.new_empty((T, top_k), dtype=torch.int32))
+
+
+def route_variant(logits: torch.Tensor, top_k: int, method: str, *, selection: str,
+                  bias: Optional[torch.Tensor] = None, n_group: int = 1, topk_group: int = 1,
+                  scaling: float = 1.0, renormalize: Optional[bool] = None,
+                  norm_eps: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """route with the selection algorithm named (SELECTIONS above): seed 004's pair for
+    experiments/004_routing.ipynb, the tests and verify. Same contract and bits as route; a
+    selection outside SELECTIONS raises ValueError naming 'selection'. CPU and CUDA tensors
+    (the kernel of that device); no fallback for other devices."""
+    if selection not in SELECTIONS:
+        raise ValueError(f"route_variant: argument 'selection' must be one of {SELECTIONS}, got {selection!r}")
+    try:
+        _, eps = check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
+    except ValueError as e:   # route's checks, under this function's name
+        msg = str(e)
+        raise ValueError("route_variant" + msg[len("route"):] if msg.startswith("route:") else msg) from None
+    if not (logits.is_cpu or logits.is_cuda):
+        raise ValueError(f"route_variant: argument 'logits' must be a CPU or CUDA tensor, got {logits.device}")
+    return _variant_op(logits, top_k, method, selection, bias, float(scaling), renormalize, n_group, topk_group,
+                       None if norm_eps is None else eps)

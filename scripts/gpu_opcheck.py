@@ -140,6 +140,14 @@ def check_route():
                 return same_ref and same_nan and werr <= 1e-6, detail
             run("route", case, "ids", fn)
 
+            def serial(args_gpu=args_gpu):
+                # seed 004's before kernel (warp 0 alone; experiments only): route's bits exactly
+                ws, is_ = OPS.route_variant(*args_gpu[:3], "serial", *args_gpu[3:])
+                wl, il = OPS.route(*args_gpu)
+                same = torch.equal(is_, il) and torch.equal(ws.view(torch.int32), wl.view(torch.int32))
+                return same, f"route_variant serial == route bit for bit: {same}"
+            run("route_variant", case + " serial", "bits", serial)
+
 
 # ------------------------------------------------------------------------ permute
 def check_permute():

@@ -101,6 +101,43 @@ def test_route_matches_reference_bit_for_bit(emu, E, K, ng, tg, special):
             assert torch.allclose(w, wr, rtol=2e-7, atol=0, equal_nan=True), (method, kw, (w - wr).abs().max())
 
 
+# Seed 004's before/after pair on the GPU: selection 1 (kSelectSerial, warp 0 alone scans every
+# expert while the other warps wait) against selection 0 (the tier table: warp tier, or the
+# lane-owned block path), same inputs, same bits. Shapes: seed 004's (896, 16) and its grid
+# region (E 512..1024, K 9..16), the warp tier's sizes, and the limits (E 2048, K 32, K = E).
+SERIAL_SHAPES = [(896, 16, 4, 2), (512, 9, 8, 4), (1024, 16, 32, 8), (768, 12, 4, 2), (64, 8, 8, 3),
+                 (200, 5, 8, 4), (2048, 32, 1, 1), (16, 16, 2, 1)]
+
+
+@pytest.mark.parametrize("E,K,ng,tg", SERIAL_SHAPES)
+@pytest.mark.parametrize("special", [False, True], ids=["random", "ties"])
+def test_route_serial_selection_equals_lanes_bit_for_bit(emu, E, K, ng, tg, special):
+    T = 5
+    ran = 0
+    for mi, method in enumerate(METHODS):
+        k = 1 if method == "llama4" else K
+        if method in GROUPED and (E > 1024 or ng == 1 or E % ng or E // ng < 2 or k > tg * (E // ng)):
+            continue
+        ngr, tgr = (ng, tg) if method in GROUPED else (1, 1)
+        dtype = [torch.float32, torch.bfloat16, torch.float16][(E + mi) % 3]
+        x, bias = _route_inputs(T, E, k, method, dtype, E * 11 + mi, special)
+        renorm, eps = check_route(x, k, method, bias, ngr, tgr, 1.0, None, None)
+        st0, w0, i0 = emu.route(x, k, mi, bias, ngr, tgr, 1.0, renorm, eps, selection=0)
+        st1, w1, i1 = emu.route(x, k, mi, bias, ngr, tgr, 1.0, renorm, eps, selection=1)
+        assert st0 == 0 and st1 == 0, (method, st0, st1)
+        assert torch.equal(i1, i0), (method, i1, i0)
+        # bit for bit, NaN payloads included (both write the same f32 operations' results)
+        assert torch.equal(w1.view(torch.int32), w0.view(torch.int32)), (method, w1, w0)
+        ran += 1
+    assert ran >= 6
+
+
+def test_route_serial_selection_rejects_unknown_selection(emu):
+    x = torch.randn(3, 64)
+    assert emu.route(x, 4, 0, None, 1, 1, 1.0, False, 0.0, selection=2)[0] < 0
+    assert emu.route(x, 4, 0, None, 1, 1, 1.0, False, 0.0, selection=-1)[0] < 0
+
+
 def test_route_strided_rows_and_plan(emu):
     x = torch.randn(5, 300)[:, 10:266]          # rows 300 apart
     st, w, ids = emu.route(x, 8, 2, None, 1, 1, 1.0, False, 1e-20)

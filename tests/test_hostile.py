@@ -263,6 +263,14 @@ def pack_mx():
     return _pack_experts(fe_mx)
 
 
+def route_variant_serial():       # seed 004's before kernel (experiments only), same checks as route
+    return {**route_base(), "selection": "serial"}
+
+
+def route_variant_grouped():
+    return {**route_grouped_softmax(), "selection": "serial"}
+
+
 def fe_rows():
     """fused_experts_rows (the parallel layer's op): fused_experts' arguments plus a y_init."""
     kw = fe_oai()
@@ -277,6 +285,7 @@ def fe_rows_fp8():
 BASES = {
     "fused_experts_rows": [fe_rows, fe_rows_fp8],
     "route": [route_base, route_grouped, route_softmax, route_grouped_softmax, route_softmax_bias],
+    "route_variant": [route_variant_serial, route_variant_grouped],
     "router_gemm": [router_gemm_base],
     "skinny_gemm": [skinny_base],
     "permute": [permute_base, permute_map],
@@ -386,6 +395,17 @@ bad("route", route_softmax_bias, "bias", "softmax_bias-missing", bias=None)
 bad("route", route_softmax_bias, "bias", "softmax_bias-size-E+1", bias=torch.zeros(E_R + 1))
 bad("route", route_softmax_bias, "bias", "softmax_bias-dtype-f16", bias=recast("bias", torch.float16))
 bad("route", route_grouped_softmax, "bias", "grouped_softmax-given", bias=torch.zeros(E_R))
+# route_variant (seed 004's before/after pair): the selection name, then route's checks under its own name
+for sel in ("", "Serial", "lanes ", "warp0"):
+    bad("route_variant", route_variant_serial, "selection", repr(sel), selection=sel)
+for k in (0, 33, 2 ** 40):
+    bad("route_variant", route_variant_serial, "top_k", f"{k}", top_k=k)
+bad("route_variant", route_variant_serial, "logits", "E4096", logits=torch.zeros(5, 4096), bias=torch.zeros(4096))
+bad("route_variant", route_variant_serial, "logits", "E-huge-expanded",
+    logits=torch.zeros(1, 1).expand(2 ** 40, 2 ** 12))
+bad("route_variant", route_variant_serial, "bias", "huge-expanded", bias=torch.zeros(1).expand(2 ** 40))
+bad("route_variant", route_variant_serial, "bias", "missing", bias=None)
+bad("route_variant", route_variant_grouped, "n_group", "3", n_group=3)
 for n in (0, 3, 16, 33):
     bad("route", route_grouped_softmax, "n_group", f"grouped_softmax-{n}", n_group=n)
 for n in (0, 5):

@@ -28,13 +28,14 @@ needs_extra = pytest.mark.skipif(bool(MISSING), reason=f"the notebooks extra is 
 # A GPU result as scripts/gpu_check.sh writes it (experiments/gpu_bench.py's columns and case names).
 FAKE_GPU = [
     ("router_gemm", "T=1 H=3072 E=256 bf16", "moelab fused cast", 5.0),
-    ("router_gemm", "T=1 H=3072 E=256 bf16", "before: F.linear(x.float())", 9.0),
+    ("router_gemm", "T=1 H=3072 E=256 bf16", "before: cast kernel + GEMM (2 launches)", 9.0),
     ("router_gemm", "T=8 H=3072 E=256 bf16", "moelab fused cast", 6.0),
-    ("router_gemm", "T=8 H=3072 E=256 bf16", "before: F.linear(x.float())", 10.0),
+    ("router_gemm", "T=8 H=3072 E=256 bf16", "before: cast kernel + GEMM (2 launches)", 10.0),
     ("skinny_gemm", "T=1 K=7168 N=513 bf16", "moelab skinny_t1", 4.0),
     ("skinny_gemm", "T=1 K=7168 N=513 bf16", "before: F.linear", 8.0),
-    ("route", "E=896 K=16 T=512 sigmoid_bias", "moelab [lane-owned]", 12.0),
-    ("route", "E=896 K=16 T=512 sigmoid_bias", "before: eager torch.topk", 36.0),
+    ("route", "E=896 K=16 T=512 sigmoid_bias", "moelab lanes [row 3: block tier]", 12.0),
+    ("route", "E=896 K=16 T=512 sigmoid_bias", "before: warp 0 alone (route_variant serial)", 20.0),
+    ("route", "E=896 K=16 T=512 sigmoid_bias", "eager torch.topk chain (not seed 004's pair)", 36.0),
     ("permute", "T=1 E=8 K=2 H=4096 bf16", "moelab scratch (eager)", 20.0),
     ("permute", "T=1 E=8 K=2 H=4096 bf16", "before: allocating (eager)", 25.0),
 ]
@@ -156,7 +157,51 @@ def test_gpu_results_appear_beside_cpu(tiny_run):
     rows = {r["claim_id"]: r for name in NOTEBOOKS
             for r in csv.DictReader(open(timing.results_dir(out / "results") / f"{name}_verdicts.csv"))}
     assert "Fake GPU 9000" in rows["001-kernel-count"]["gpu"]
-    assert "3.00x" in rows["004-896-16-512"]["gpu"]            # 36 / 12
+    assert "1.67x" in rows["004-896-16-512"]["gpu"]            # warp 0 alone 20 / lanes 12 (not the eager 36)
     assert "2.00x" in rows["002-gate-gemm-100-steps"]["gpu"]   # 8 / 4
     assert "1.250x" in rows["003-batch-1"]["gpu"]              # 25 / 20
     assert (out / "figures" / "001_router_gemm_gpu.png").exists()
+
+
+def _verdict_rule_for_pairs(rows, where):
+    """reproduced / partly / not only on a claim whose pair matches the seed's in mechanism;
+    "analogue (<ratio>x)" on every other claim row and on every extra row (another pair)."""
+    claims = {c["id"]: c for c in nb.all_claims()}
+    seeds = {c["seed"] for c in claims.values()}
+    for r in rows:
+        c = claims.get(r["claim_id"])
+        v = r["verdict"]
+        if c is None and r["claim_id"][:3] not in seeds:
+            continue      # a row of no seed (005's end-to-end layer): no seed's pair to match
+        if c is None or c.get("same_mechanism") is False:
+            assert v.startswith("analogue (") and v.endswith("x)"), (where, r["claim_id"], v)
+        elif v in ("reproduced", "partly", "not"):
+            assert c.get("same_mechanism") is True, (where, r["claim_id"], v)
+        else:
+            assert v in ("not measurable", "not measured"), (where, r["claim_id"], v)
+
+
+def test_committed_verdicts_follow_the_pair_rule():
+    paths = sorted((ROOT / "experiments" / "results").glob("*/0*_verdicts.csv"))
+    assert paths, "no committed verdicts"
+    for path in paths:
+        _verdict_rule_for_pairs(list(csv.DictReader(open(path))), path.name)
+
+
+def test_verdict_row_turns_another_pair_into_an_analogue(monkeypatch):
+    claim = dict(nb.claim("004-896-16-512"))
+    monkeypatch.setattr(nb, "claim", lambda cid: dict(claim, same_mechanism=False))
+    assert nb.verdict_row("004-896-16-512", "x", 19.8, "reproduced", "w")["verdict"] == "analogue (19.8x)"
+    monkeypatch.setattr(nb, "claim", lambda cid: dict(claim, same_mechanism=True))
+    assert nb.verdict_row("004-896-16-512", "x", 1.2, "partly", "w")["verdict"] == "partly"
+    assert nb.analogue_row("004-x/eager", "004-896-16-512", "m", 3.14159, "w")["verdict"] == "analogue (3.14x)"
+
+
+@needs_extra
+def test_tiny_run_verdicts_follow_the_pair_rule(tiny_run):
+    out, _ = tiny_run
+    rows = [r for name in NOTEBOOKS
+            for r in csv.DictReader(open(timing.results_dir(out / "results") / f"{name}_verdicts.csv"))]
+    _verdict_rule_for_pairs(rows, "tiny run")
+    eager = [r for r in rows if r["claim_id"] == "004-896-16-512/eager-chain"]
+    assert len(eager) == 1 and eager[0]["verdict"].startswith("analogue (")

@@ -37,10 +37,11 @@ SOURCES = {
 }
 REQUIRED = ("seed", "id", "provenance", "metric", "reported", "hardware", "setting", "method", "source")
 STRING_KEYS = REQUIRED + ("better", "ratio_source", "reproduce", "not_measurable", "fidelity",
-                          "counterpart", "see", "notes")
+                          "counterpart", "see", "notes", "seed_pair", "our_pair")
+BOOL_KEYS = ("same_mechanism",)
 NUMBER_KEYS = ("before", "after", "ratio", "change_pct", "gain_pct", "value")
 RANGE_KEYS = ("ratio_range", "gain_pct_range")
-KNOWN_KEYS = set(STRING_KEYS) | set(NUMBER_KEYS) | set(RANGE_KEYS) | {"params"}
+KNOWN_KEYS = set(STRING_KEYS) | set(NUMBER_KEYS) | set(RANGE_KEYS) | set(BOOL_KEYS) | {"params"}
 NOTEBOOK = re.compile(r"^experiments/00[0-9]_[a-z0-9_]+\.ipynb$")
 
 # SPEC.md's table of reported figures, each as (seed, number, where it must appear).
@@ -159,6 +160,9 @@ def test_claim_has_required_keys_and_types(claim):
         if k in claim:
             assert isinstance(claim[k], (int, float)) and not isinstance(claim[k], bool), f"{ids(claim)}: {k}"
             assert math.isfinite(claim[k]), f"{ids(claim)}: {k} not finite"
+    for k in BOOL_KEYS:
+        if k in claim:
+            assert isinstance(claim[k], bool), f"{ids(claim)}: {k} must be true or false"
     for k in RANGE_KEYS:
         if k in claim:
             lo_hi = claim[k]
@@ -208,6 +212,29 @@ def test_claim_is_reproduced_or_says_why_not(claim):
         assert len(claim["not_measurable"]) >= 20, f"{ids(claim)}: give a real reason"
         if "see" in claim:
             assert NOTEBOOK.match(claim["see"]), f"{ids(claim)}: see {claim['see']!r}"
+
+
+@pytest.mark.parametrize("claim", CLAIMS, ids=ids)
+def test_claim_names_both_pairs(claim):
+    """Every claim says what the seed compared and what we compare, each as '<before> -> <after>';
+    a measured claim says whether the two pairs differ in the same thing (same_mechanism)."""
+    for key in ("seed_pair", "our_pair"):
+        assert key in claim, f"{ids(claim)}: missing {key}"
+    assert " -> " in claim["seed_pair"], f"{ids(claim)}: seed_pair is '<before> -> <after>'"
+    if "reproduce" in claim:
+        assert " -> " in claim["our_pair"], f"{ids(claim)}: our_pair is '<before> -> <after>'"
+        assert isinstance(claim.get("same_mechanism"), bool), f"{ids(claim)}: same_mechanism true/false"
+    else:
+        assert "same_mechanism" not in claim, f"{ids(claim)}: nothing measured, no mechanism to match"
+        assert claim["our_pair"].startswith("none measured"), f"{ids(claim)}: our_pair"
+
+
+def test_seed_004_pair_is_the_selection_pair():
+    """Issue 17: 004 is judged on the before/after selection kernels, not on the eager chain."""
+    for c in CLAIMS:
+        if c["seed"] == "004":
+            assert "serial" in c["our_pair"] and "lanes" in c["our_pair"], c["id"]
+            assert "warp 0" in c["seed_pair"], c["id"]
 
 
 def test_ids_are_unique():

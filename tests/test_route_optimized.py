@@ -595,3 +595,91 @@ def test_weights_bound_the_reference_math_by_hand():
     assert ids.tolist() == [[2, 3]]
     want = [2.0 * s[2] / (s[2] + s[3]), 2.0 * s[3] / (s[2] + s[3])]
     assert all(abs(a - b) <= 4e-7 * abs(b) for a, b in zip(w[0].tolist(), want))
+
+
+# ------------------------------------------- seed 004's before/after pair (route_variant)
+from optimized.route import SELECTIONS, route_variant   # noqa: E402
+
+
+def _same_bits(a, b):
+    (wa, ia), (wb, ib) = a, b
+    return torch.equal(ia, ib) and torch.equal(wa.view(torch.int32), wb.view(torch.int32))
+
+
+# E x K across the lane sink's R = 1, 2, 3 (K <= 8, 16, 32), seed 004's shape and its grid region,
+# tails (E not a multiple of 16) and K = E.
+PAIR_SHAPES = [(896, 16), (512, 9), (1024, 16), (768, 12), (256, 8), (100, 7), (2048, 32), (33, 32), (32, 32), (1, 1)]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_serial_selection_equals_lanes_bit_for_bit(isa, method):
+    """The seed's 'before' (one scalar insertion pass over all E keys) and today's kernel (SIMD
+    lanes own strided candidates, then compress and rank): the same ids and weight bits, on
+    random rows (three logit distributions) and on the engineered tie / NaN / inf / -0 rows."""
+    checked = 0
+    for E, K in PAIR_SHAPES:
+        g = torch.Generator().manual_seed(E * 31 + K)
+        gk = group_kwargs(E)
+        if method in GROUPED and gk is None:
+            continue
+        kw = make_kwargs(method, E, g, **(gk if method in GROUPED else {}))
+        Kf = fit_k(method, E, K, kw)
+        rows = [torch.randn(6, E, generator=g) * 3,                                  # normal
+                torch.rand(6, E, generator=g) * 0.01,                                 # near-uniform
+                torch.randn(6, E, generator=g) - 8 * (torch.arange(E) % 5 == 0),      # skewed
+                special_rows(E, g)]
+        for dt in DTYPES:
+            x = torch.cat(rows).to(dt)
+            before = route_variant(x, Kf, method, selection="serial", **kw)
+            after = route_variant(x, Kf, method, selection="lanes", **kw)
+            assert _same_bits(before, after), (method, E, Kf, dt)
+            assert _same_bits(after, optimized.route(x, Kf, method, **kw)), "lanes must be route's kernel"
+            checked += 1
+    assert checked >= 9
+
+
+def test_serial_selection_many_ties_at_the_bound():
+    """More than 64 experts tied at the K-th key: today's kernel leaves its compress-and-rank
+    path for the insertion fallback; the serial kernel must agree on both sides of that."""
+    E = 896
+    x = torch.zeros(4, E)
+    x[0, ::7] = 1.0          # 128 tied at the top, K = 16 of them selected
+    x[1, 100:300] = 0.5      # 200 tied
+    x[2, ::2] = float("nan")
+    x[3, -70:] = 2.0
+    for method in ("topk_softmax", "sigmoid_topk", "softmax_topk"):
+        a = route_variant(x, 16, method, selection="serial")
+        b = route_variant(x, 16, method, selection="lanes")
+        assert _same_bits(a, b), method
+        assert a[1][0].tolist() == list(range(0, 16 * 7, 7))
+
+
+def test_route_variant_rejects_bad_selection_and_checks_like_route():
+    x = torch.randn(2, 64)
+    with pytest.raises(ValueError, match="route_variant: argument 'selection'"):
+        route_variant(x, 4, "softmax_topk", selection="warp0")
+    with pytest.raises(RuntimeError, match="moelab::route_variant: argument 'selection'"):
+        torch.ops.moelab.route_variant(x, 4, "softmax_topk", "fast")
+    with pytest.raises(RuntimeError, match="moelab::route_variant: argument 'top_k'"):
+        torch.ops.moelab.route_variant(x, 33, "softmax_topk", "serial")
+    with pytest.raises(ValueError, match="route_variant: argument 'top_k'"):
+        route_variant(x, 0, "softmax_topk", selection="serial")
+    with pytest.raises(ValueError, match="route_variant: argument 'bias'"):
+        route_variant(x, 4, "sigmoid_bias", selection="serial")
+    assert SELECTIONS == ("lanes", "serial")
+    w, i = route_variant(torch.randn(0, 64), 4, "softmax_topk", selection="serial")
+    assert w.shape == (0, 4) and i.shape == (0, 4)
+
+
+def test_route_variant_opcheck_and_no_dispatcher_reaches_it():
+    g = torch.Generator().manual_seed(13)
+    for sel in SELECTIONS:
+        torch.library.opcheck(torch.ops.moelab.route_variant.default,
+                              (torch.randn(3, 896, generator=g).bfloat16(), 16, "sigmoid_bias", sel,
+                               torch.randn(896, generator=g), 2.5))
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in list((root / "optimized").glob("*.py")) + list((root / "reference").glob("*.py")):
+        if path.name == "route.py" and path.parent.name == "optimized":
+            continue
+        assert "route_variant" not in path.read_text(encoding="utf-8"), f"{path.name} reaches route_variant"

@@ -584,3 +584,32 @@ def test_cli_repro_and_report(tmp_path):
     assert data["ok"] and {c["dist"] for c in data["cells"]} == {"uniform", "zipf"}
     md = (tmp_path / "v.md").read_text()
     assert "Error over tolerance" in md and "## Bad-input fuzz" in md
+
+
+# ---------------------------------------------- seed 004's before kernel (route_variant serial)
+@pytest.mark.skipif(not _available("route"), reason="optimized.route is not built")
+def test_route_serial_selection_is_verified_and_a_broken_one_is_caught(monkeypatch):
+    """route's batch-invariance cases also run seed 004's 'before' selection
+    (optimized.route.route_variant, selection='serial') and hold it to route's bits."""
+    import sys
+    opt_route = sys.modules["optimized.route"]      # the module (optimized.route is the function)
+    s = {"op": "route", "backend": "cpu", "dist": "exact_ties", "method": "sigmoid_bias", "E": 896, "K": 16,
+         "n_group": 1, "topk_group": 1, "renormalize": True, "scaling": 2.5, "logits_dtype": "bfloat16",
+         "bias_dtype": "float32", "T": 6, "seed": 2, "dchoice": 0, "bi": True}
+    calls = []
+    real = opt_route.route_variant
+
+    def spy(*a, **kw):
+        calls.append(kw["selection"])
+        return real(*a, **kw)
+    monkeypatch.setattr(opt_route, "route_variant", spy)
+    r = runner.run_case(REG["route"], s)
+    assert r.ok and r.bi_checked, r
+    assert "serial" in calls
+
+    def broken(*a, **kw):             # a 'before' kernel that swaps the first two slots
+        w, i = real(*a, **kw)
+        return w[:, [1, 0] + list(range(2, w.shape[1]))], i[:, [1, 0] + list(range(2, i.shape[1]))]
+    monkeypatch.setattr(opt_route, "route_variant", broken)
+    r = runner.run_case(REG["route"], s)
+    assert not r.ok and r.kind == "batch_invariance" and "selection=serial" in r.message, r

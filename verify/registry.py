@@ -576,6 +576,26 @@ def _route_gather(case: Case, rows) -> Case:
     return Case(case.op, case.structure, (logits[rows].contiguous(), K, method), dict(case.kwargs))
 
 
+def _route_variants(case: Case):
+    """route's kernel and seed 004's "before" selection (optimized.route.route_variant with
+    selection="serial": one scalar pass on the CPU, warp 0 alone on CUDA), which must give
+    the same bits; checked with batch invariance (route's kernel is held to the reference)."""
+    return [("", case), ("selection=serial", Case(case.op, case.structure, case.args,
+                                                  dict(case.kwargs, selection="serial")))]
+
+
+def _call_route(fn, case: Case, device):
+    """fn(logits, top_k, method, **kw); a `selection` variant runs route_variant when fn is
+    optimized.route itself (a mutant or a peer has no before kernel: it runs as it is)."""
+    args, kwargs = to_device((case.args, case.kwargs), device)
+    selection = kwargs.pop("selection", None)
+    ops = import_optimized()
+    if selection is not None and ops is not None and fn is getattr(ops, "route", None):
+        from optimized.route import route_variant
+        return route_variant(*args, selection=selection, **kwargs)
+    return fn(*args, **kwargs)
+
+
 def _route_errors(seed: int) -> CallSpec:
     g = D.generator(seed)
     logits = torch.randn(5, 8, generator=g)
@@ -1446,7 +1466,9 @@ def register(info: OpInfo) -> OpInfo:
 
 register(OpInfo("route", ref_route, _draw_route, _make_route, _compare_route, _route_errors,
                 dists=ALL_DISTS, token_gather=_route_gather, invariant_always=("cpu", "cuda"), weight=1.0,
-                notes="ids exact (near-tie flips counted), weights within 8 f32 ulps + 4x eager"))
+                variants=_route_variants, call=_call_route,
+                notes="ids exact (near-tie flips counted), weights within 8 f32 ulps + 4x eager; "
+                      "seed 004's serial selection bit for bit with route (batch-invariance cases)"))
 register(OpInfo("permute", ref_permute, _draw_permute, _make_permute, _compare_permute, _permute_errors,
                 dists=NO_NAN, call=_call_permute, weight=0.8,
                 notes="every output exact; scratch poisoned and aliasing checked"))

@@ -23,6 +23,15 @@ enum RouteMethod : int {
 // Every method's weights end multiplied by scaling (the biased sigmoid methods inside their
 // formula: s * scaling / (sum + eps)); scaling = 1 is exact.
 
+// Selection algorithm (seed 004's before/after pair on the CPU). kSelectLanes is the kernel
+// every dispatch takes (the file comment of route_kernel.h, step 3). kSelectSerial is the
+// seed's "before" as a CPU analogue, reachable only through moelab::route_variant (experiments,
+// tests, verify): one scalar pass over all E order keys, offering each to a sorted top-K list
+// (insertion above the running K-th best), with no vector work in the selection and no lane
+// sink in the key pass. Both return the K largest composites, so ids and weights are the same
+// bits.
+enum RouteSelection : int { kSelectLanes = 0, kSelectSerial = 1 };
+
 constexpr int kRouteMaxExperts = 2048;
 constexpr int kRouteMaxTopK = 32;
 constexpr int kRouteMaxGroups = 32;
@@ -42,6 +51,7 @@ struct RouteParams {
   float norm_eps;       // resolved f32 epsilon of the normalization (unused where none)
   float* weights;       // [T, K] f32 out
   int32_t* ids;         // [T, K] int32 out
+  int selection = kSelectLanes;   // RouteSelection; only moelab::route_variant sets another
 };
 
 }  // namespace moelab::cpu

@@ -21,6 +21,9 @@
 //      more than 64 candidates, and the AVX2 / scalar levels, use a running-threshold
 //      insertion instead: a sorted list of the best K so far; a vector compare against
 //      the current K-th best skips every chunk without a better key.
+//      Seed 004's "before" (RouteParams::selection = kSelectSerial, reachable only through
+//      moelab::route_variant for experiments, tests and verify): select_serial, one scalar
+//      pass offering every key to that list, no lane sink, no vector skip. Same composites.
 //   4. weights from the selected composites (the order key gives back the key's value) and
 //      from the stored sigmoid s or softmax p (biased methods, whose weights leave the bias
 //      out); then the normalization (renormalize, resolved by the binding; its norm_eps) and
@@ -609,6 +612,14 @@ template <int R> void select_lanes(const uint32_t* ok, int E, int K, const Lanes
 }
 #endif
 
+// Seed 004's "before" on the CPU (kSelectSerial, experiments only): one scalar pass over
+// every expert in index order, each offered to the sorted top-K list; no chunk is skipped.
+inline void select_serial(const uint32_t* ok, int E, int K, uint64_t* out) {
+  TopList L;
+  for (int i = 0; i < E; ++i) offer(L, K, ok[i], uint32_t(i));
+  for (int j = 0; j < K; ++j) out[j] = L.v[j];
+}
+
 // The K best composites of ok[0..E), sorted descending (L: the lane sink fed with ok).
 template <int R> inline void select_topk(const uint32_t* ok, int E, int K, const Lanes<R>& L,
                                          uint64_t* out, uint32_t* cidx) {
@@ -655,7 +666,9 @@ inline float sum_f32(const float* w, int K) {
   return s;
 }
 
-template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t0, int64_t t1) {
+// SERIAL: seed 004's before (select_serial, with R = 0: no lane sink in the key pass).
+template <Fmt F, Fmt B, int R, bool SERIAL = false>
+void route_rows_r(const RouteParams& p, int64_t t0, int64_t t1) {
   const int E = p.E, K = p.K;
   alignas(64) uint32_t ok[kRouteMaxExperts + 16];
   alignas(64) float sbuf[kRouteMaxExperts + 16];     // sigmoid s (biased methods)
@@ -688,7 +701,10 @@ template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t
         break;
       }
     }
-    select_topk<R>(ok, E, K, L, sel, cidx);
+    if constexpr (SERIAL)
+      select_serial(ok, E, K, sel);
+    else
+      select_topk<R>(ok, E, K, L, sel, cidx);
 
     float* w = p.weights + t * K;
     int32_t* id = p.ids + t * K;
@@ -755,6 +771,10 @@ template <Fmt F, Fmt B, int R> void route_rows_r(const RouteParams& p, int64_t t
 
 // R: rows of the AVX-512 lane sink for this K (0: running-threshold selection).
 template <Fmt F, Fmt B> void route_rows(const RouteParams& p, int64_t t0, int64_t t1) {
+  if (p.selection == kSelectSerial) {   // experiments only (moelab::route_variant)
+    route_rows_r<F, B, 0, true>(p, t0, t1);
+    return;
+  }
 #if MOELAB_ISA_LEVEL >= 2
   if (p.K <= 8) route_rows_r<F, B, 1>(p, t0, t1);
   else if (p.K <= 16) route_rows_r<F, B, 2>(p, t0, t1);

@@ -67,7 +67,14 @@ struct RouteArgs {
                         // and softmax_bias; unused by the other methods
   float* weights;       // [T, K] f32 out, contiguous
   int32_t* ids;         // [T, K] int32 out, contiguous
+  int selection = 0;    // RouteSelection; only moelab::route_variant sets another
 };
+// Selection algorithm (seed 004's before/after pair). kSelectLanes: the tier table (what
+// moelab::route runs). kSelectSerial: seed 004's "before", reachable only by name
+// (moelab::route_variant: experiments, tests, verify): one block per token whose warp 0
+// alone scans every expert serially (each lane keeps a sorted K-slot list of its strided
+// experts) and merges by K warp arg-max rounds, while the other warps wait. Same outputs.
+enum RouteSelection : int { kSelectLanes = 0, kSelectSerial = 1 };
 
 // The kernel a call with (E, K) takes: one row of the tier table in route.cu.
 struct RoutePlan {

@@ -21,6 +21,11 @@
 //          warp's top K (K rounds of arg-max over the list heads), and the warps' lists are
 //          merged pairwise in shared memory, log2(warps) levels, by rank (an element's rank
 //          in the union = its index in its list + the elements of the other list above it).
+//   serial seed 004's "before", never chosen by the table: only route_variant(selection =
+//          "serial") launches it (kSelectSerial; experiments, tests, verify). The block tier's
+//          launch and keys, then warp 0 alone selects: each lane inserts its strided experts
+//          (E / kWarp of them, one after another) into a sorted K-slot list, then K warp
+//          arg-max rounds over the list heads; the other warps wait. Same ids and weights.
 // Grouped methods (both tiers): per group, the top two order keys (a warp reduction of
 // (max, second max) pairs); score = f32 sum of their values (grouped_sigmoid_bias, DeepSeek-V3)
 // or the largest alone (grouped_softmax, DeepSeek-V2 group_limited_greedy); the topk_group
@@ -308,7 +313,10 @@ route_warp_kernel(RouteArgs a) {
 constexpr int kBlockWarps = kBlockThreads / kWarp;
 static_assert(kBlockWarps >= 2 && (kBlockWarps & (kBlockWarps - 1)) == 0, "warps per block: a power of two");
 
-template <int P>
+// SERIAL = false: the lane-owned path below (step 1-3). SERIAL = true: seed 004's "before"
+// (kSelectSerial, reachable only through route_variant): the same keys, then warp 0 alone
+// selects while the other warps wait at the barrier.
+template <int P, bool SERIAL>
 __global__ void __launch_bounds__(kBlockThreads)
 route_block_kernel(RouteArgs a) {
   __shared__ uint64_t lists[2][kBlockWarps][kRouteMaxTopK];
@@ -400,6 +408,37 @@ route_block_kernel(RouteArgs a) {
       if (grp[i] >= 0 && !((keep >> grp[i]) & 1u)) c[i] = composite(kOkNegInf, uint32_t(tid + i * kBlockThreads));
   }
 
+  if constexpr (SERIAL) {
+    // Seed 004's before: the composites go to shared memory; warp 0's lane l scans experts
+    // l, l + kWarp, ... one after another, inserting each into its own sorted K-slot list
+    // (K values per lane: the register state the seed's change removed), then K rounds of a
+    // warp arg-max over the list heads, the owner popping its head. The other warps idle.
+    __shared__ uint64_t all[kRouteMaxExperts];
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      if (tid + i * kBlockThreads < E) all[tid + i * kBlockThreads] = c[i];
+    __syncthreads();
+    if (warp != 0) return;
+    uint64_t top[kRouteMaxTopK];
+    for (int j = 0; j < K; ++j) top[j] = 0;
+    for (int e = lane; e < E; e += kWarp) {
+      const uint64_t v = all[e];
+      if (v <= top[K - 1]) continue;                     // 0: an empty slot, below every expert
+      int pos = K - 1;
+      for (; pos > 0 && top[pos - 1] < v; --pos) top[pos] = top[pos - 1];
+      top[pos] = v;
+    }
+    int head = 0;
+    uint64_t slot = 0;                                   // lane j: the j-th largest
+    for (int j = 0; j < K; ++j) {
+      const uint64_t mine = head < K ? top[head] : 0ull;
+      const uint64_t best = warp_max64(mine);            // > 0: E >= K real composites
+      if (mine == best) ++head;                          // composites are unique: one owner
+      if (lane == j) slot = best;
+    }
+    write_slots(a, row, t, slot, sm);
+    return;
+  } else {
   // 1. Each thread's own candidate list: its P composites sorted descending (compare-swap
   //    network on registers; static indices only).
 #pragma unroll
@@ -442,6 +481,7 @@ route_block_kernel(RouteArgs a) {
     __syncthreads();
   }
   if (warp == 0) write_slots(a, row, t, lane < K ? lists[src][0][lane] : 0ull, sm);
+  }
 }
 
 // ------------------------------------------------------------------ dispatch helpers
@@ -458,12 +498,13 @@ int launch_warp(const RouteArgs& a, int P, Stream s) {
   MOELAB_GPU_LAUNCHED();
   return kOk;
 }
+template <bool SERIAL>
 int launch_block(const RouteArgs& a, int P, Stream s) {
   const dim3 grid(unsigned(a.T)), block(kBlockThreads);
   switch (P) {
-    case 2: MOELAB_LAUNCH((route_block_kernel<2>), grid, block, 0, s, a); break;
-    case 4: MOELAB_LAUNCH((route_block_kernel<4>), grid, block, 0, s, a); break;
-    case 8: MOELAB_LAUNCH((route_block_kernel<8>), grid, block, 0, s, a); break;
+    case 2: MOELAB_LAUNCH((route_block_kernel<2, SERIAL>), grid, block, 0, s, a); break;
+    case 4: MOELAB_LAUNCH((route_block_kernel<4, SERIAL>), grid, block, 0, s, a); break;
+    case 8: MOELAB_LAUNCH((route_block_kernel<8, SERIAL>), grid, block, 0, s, a); break;
     default: return kUnsupported;
   }
   MOELAB_GPU_LAUNCHED();
@@ -499,13 +540,15 @@ int route_launch(const RouteArgs& a, Stream stream) {
        a.E / a.n_group < 2 || a.topk_group < 1 || a.topk_group > a.n_group ||
        a.K > a.topk_group * (a.E / a.n_group)))
     return kBadArgument;
+  if (a.selection != kSelectLanes && a.selection != kSelectSerial) return kBadArgument;
   if (a.T == 0) return kOk;
   if (a.logits == nullptr || a.weights == nullptr || a.ids == nullptr || a.ld < a.E) return kBadArgument;
   if (a.T > 0x7fffffffLL) return kUnsupported;
   RoutePlan p;
   if (route_plan(a.E, a.K, &p) != kOk) return kUnsupported;
   if (a.fmt != Fmt::kF32 && a.fmt != Fmt::kBF16 && a.fmt != Fmt::kF16) return kBadArgument;
-  return p.block ? launch_block(a, p.per_lane, stream) : launch_warp(a, p.per_lane, stream);
+  if (a.selection == kSelectSerial) return launch_block<true>(a, block_per_thread(a.E), stream);
+  return p.block ? launch_block<false>(a, p.per_lane, stream) : launch_warp(a, p.per_lane, stream);
   return kBadArgument;
 }
 

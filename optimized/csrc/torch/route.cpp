@@ -40,16 +40,16 @@ int64_t grain_tokens(int64_t E) {
   return std::max<int64_t>(1, 16384 / std::max<int64_t>(E, 1));
 }
 
-std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_t top_k,
-                                             const std::string& method,
-                                             const std::optional<at::Tensor>& bias_in, double scaling,
-                                             std::optional<bool> renormalize, int64_t n_group,
-                                             int64_t topk_group, std::optional<double> norm_eps) {
-  check_is_cpu(logits_in, kOp, "logits");
-  if (bias_in.has_value()) check_is_cpu(*bias_in, kOp, "bias");
+std::tuple<at::Tensor, at::Tensor> route_impl(const char* op, int selection, const at::Tensor& logits_in,
+                                              int64_t top_k, const std::string& method,
+                                              const std::optional<at::Tensor>& bias_in, double scaling,
+                                              std::optional<bool> renormalize, int64_t n_group,
+                                              int64_t topk_group, std::optional<double> norm_eps) {
+  check_is_cpu(logits_in, op, "logits");
+  if (bias_in.has_value()) check_is_cpu(*bias_in, op, "bias");
   // Every check comes before the copies below (a stride-0 expanded tensor may have any size).
   const checks::RouteSizes r =
-      checks::check_route_args(kOp, logits_in, top_k, method, bias_in, scaling, renormalize, n_group, topk_group,
+      checks::check_route_args(op, logits_in, top_k, method, bias_in, scaling, renormalize, n_group, topk_group,
                                norm_eps);
   const int64_t T = r.T, E = r.E;
   const int m = r.method;
@@ -82,6 +82,7 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
   p.norm_eps = float(r.norm_eps);   // the reference's f32 operations round eps to f32 too
   p.weights = weights.data_ptr<float>();
   p.ids = ids.data_ptr<int32_t>();
+  p.selection = selection;
   auto* fn = MOELAB_PICK(route_tokens);
   const int64_t grain = grain_tokens(E);
   if (T < grain || at::get_num_threads() == 1 || at::in_parallel_region())
@@ -89,6 +90,29 @@ std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits_in, int64_
   else
     at::parallel_for(0, T, grain, [&](int64_t t0, int64_t t1) { fn(p, t0, t1); });
   return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> route_cpu(const at::Tensor& logits, int64_t top_k, const std::string& method,
+                                             const std::optional<at::Tensor>& bias, double scaling,
+                                             std::optional<bool> renormalize, int64_t n_group,
+                                             int64_t topk_group, std::optional<double> norm_eps) {
+  return route_impl(kOp, cpu::kSelectLanes, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group,
+                    norm_eps);
+}
+
+// moelab::route_variant: the same op with the selection algorithm named (seed 004's
+// before/after pair, for experiments, tests and verify; no dispatcher calls it).
+// "lanes": today's kernel (what route runs); "serial": one scalar insertion pass over all E.
+std::tuple<at::Tensor, at::Tensor> route_variant_cpu(const at::Tensor& logits, int64_t top_k,
+                                                     const std::string& method, const std::string& selection,
+                                                     const std::optional<at::Tensor>& bias, double scaling,
+                                                     std::optional<bool> renormalize, int64_t n_group,
+                                                     int64_t topk_group, std::optional<double> norm_eps) {
+  constexpr const char* kVariantOp = "route_variant";
+  MOELAB_CHECK(selection == "lanes" || selection == "serial", kVariantOp, "selection",
+               "must be 'lanes' or 'serial', got '", selection, "'");
+  return route_impl(kVariantOp, selection == "serial" ? cpu::kSelectSerial : cpu::kSelectLanes, logits, top_k,
+                    method, bias, scaling, renormalize, n_group, topk_group, norm_eps);
 }
 
 const int kRegistered = register_op_level(kOp, cpu::Isa::kAvx512);
@@ -101,4 +125,12 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
         "bool? renormalize=None, int n_group=1, int topk_group=1, float? norm_eps=None) "
         "-> (Tensor weights, Tensor ids)");
 }
-TORCH_LIBRARY_IMPL(moelab, CPU, m) { m.impl("route", &moelab::route_cpu); }
+TORCH_LIBRARY_FRAGMENT(moelab, m) {
+  m.def("route_variant(Tensor logits, int top_k, str method, str selection, Tensor? bias=None, "
+        "float scaling=1.0, bool? renormalize=None, int n_group=1, int topk_group=1, float? norm_eps=None) "
+        "-> (Tensor weights, Tensor ids)");
+}
+TORCH_LIBRARY_IMPL(moelab, CPU, m) {
+  m.impl("route", &moelab::route_cpu);
+  m.impl("route_variant", &moelab::route_variant_cpu);
+}

@@ -11,19 +11,19 @@ constexpr const char* kOp = "route";
 
 // Argument order of the schema (csrc/torch/route.cpp): bias, scaling, renormalize, n_group, topk_group,
 // norm_eps. renormalize and norm_eps unset: the method's defaults (resolved in checks.h).
-std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t top_k, const std::string& method,
-                                              const std::optional<at::Tensor>& bias, double scaling,
-                                              std::optional<bool> renormalize, int64_t n_group, int64_t topk_group,
-                                              std::optional<double> norm_eps) {
-  check_is_gpu(logits, kOp, "logits");
-  if (bias.has_value()) check_is_gpu(*bias, kOp, "bias", &logits);
+std::tuple<at::Tensor, at::Tensor> route_impl(const char* op, int selection, const at::Tensor& logits, int64_t top_k,
+                                              const std::string& method, const std::optional<at::Tensor>& bias,
+                                              double scaling, std::optional<bool> renormalize, int64_t n_group,
+                                              int64_t topk_group, std::optional<double> norm_eps) {
+  check_is_gpu(logits, op, "logits");
+  if (bias.has_value()) check_is_gpu(*bias, op, "bias", &logits);
   const checks::RouteSizes r =
-      checks::check_route_args(kOp, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group,
+      checks::check_route_args(op, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group,
                                norm_eps);
   const int64_t T = r.T, E = r.E;
   const int m = r.method;
   const bool biased = r.biased;
-  if (biased) MOELAB_CHECK(bias->is_contiguous(), kOp, "bias", "must be contiguous");
+  if (biased) MOELAB_CHECK(bias->is_contiguous(), op, "bias", "must be contiguous");
 
   const c10::cuda::CUDAGuard guard(logits.device());
   auto opts = logits.options();
@@ -49,8 +49,31 @@ std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t 
   a.norm_eps = float(r.norm_eps);
   a.weights = weights.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
-  check_launch(gpu::route_launch(a, current_stream()), kOp);
+  a.selection = selection;
+  check_launch(gpu::route_launch(a, current_stream()), op);
   return {weights, ids};
+}
+
+std::tuple<at::Tensor, at::Tensor> route_cuda(const at::Tensor& logits, int64_t top_k, const std::string& method,
+                                              const std::optional<at::Tensor>& bias, double scaling,
+                                              std::optional<bool> renormalize, int64_t n_group, int64_t topk_group,
+                                              std::optional<double> norm_eps) {
+  return route_impl(kOp, gpu::kSelectLanes, logits, top_k, method, bias, scaling, renormalize, n_group, topk_group,
+                    norm_eps);
+}
+
+// moelab::route_variant (schema in csrc/torch/route.cpp): seed 004's before/after pair by name.
+// "lanes": the tier table (what route runs); "serial": warp 0 alone selects (route.cu).
+std::tuple<at::Tensor, at::Tensor> route_variant_cuda(const at::Tensor& logits, int64_t top_k,
+                                                      const std::string& method, const std::string& selection,
+                                                      const std::optional<at::Tensor>& bias, double scaling,
+                                                      std::optional<bool> renormalize, int64_t n_group,
+                                                      int64_t topk_group, std::optional<double> norm_eps) {
+  constexpr const char* kVariantOp = "route_variant";
+  MOELAB_CHECK(selection == "lanes" || selection == "serial", kVariantOp, "selection",
+               "must be 'lanes' or 'serial', got '", selection, "'");
+  return route_impl(kVariantOp, selection == "serial" ? gpu::kSelectSerial : gpu::kSelectLanes, logits, top_k,
+                    method, bias, scaling, renormalize, n_group, topk_group, norm_eps);
 }
 
 // The tier table's row for (E, K): "row <i>: warp|block, <p> experts per lane: <reason>".
@@ -67,4 +90,7 @@ std::string gpu_route_plan(int64_t E, int64_t K) {
 }  // namespace moelab::gpu_binding
 
 TORCH_LIBRARY_FRAGMENT(moelab, m) { m.def("gpu_route_plan(int E, int K) -> str", &moelab::gpu_binding::gpu_route_plan); }
-TORCH_LIBRARY_IMPL(moelab, CUDA, m) { m.impl("route", &moelab::gpu_binding::route_cuda); }
+TORCH_LIBRARY_IMPL(moelab, CUDA, m) {
+  m.impl("route", &moelab::gpu_binding::route_cuda);
+  m.impl("route_variant", &moelab::gpu_binding::route_variant_cuda);
+}

@@ -21,7 +21,8 @@ at::Tensor poison(at::IntArrayRef shape, at::ScalarType dt) {
 }
 
 py::tuple route(const at::Tensor& logits, int64_t K, int64_t method, const std::optional<at::Tensor>& bias,
-                int64_t n_group, int64_t topk_group, double scaling, bool renormalize, double norm_eps) {
+                int64_t n_group, int64_t topk_group, double scaling, bool renormalize, double norm_eps,
+                int64_t selection) {
   const int64_t T = logits.size(0), E = logits.size(1);
   at::Tensor w = poison({T, K}, at::kFloat), ids = poison({T, K}, at::kInt);
   gpu::RouteArgs a;
@@ -41,6 +42,7 @@ py::tuple route(const at::Tensor& logits, int64_t K, int64_t method, const std::
   a.norm_eps = float(norm_eps);
   a.weights = w.data_ptr<float>();
   a.ids = ids.data_ptr<int32_t>();
+  a.selection = int(selection);   // gpu::RouteSelection (0: the tier table, 1: seed 004's warp-0 kernel)
   const int st = gpu::route_launch(a, nullptr);
   return py::make_tuple(st, w, ids);
 }
@@ -194,7 +196,9 @@ void moelab_emu_sanitizer_controls(pybind11::module& m);   // sanitizer_controls
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("warp_size", &gpu::warp_size);
-  m.def("route", &route);
+  m.def("route", &route, py::arg("logits"), py::arg("K"), py::arg("method"), py::arg("bias"), py::arg("n_group"),
+        py::arg("topk_group"), py::arg("scaling"), py::arg("renormalize"), py::arg("norm_eps"),
+        py::arg("selection") = 0);
   m.def("route_plan", &route_plan);
   m.def("permute", &permute);
   m.def("workspace_words", &gpu::permute_workspace_words);

@@ -1,0 +1,79 @@
+"""experiments/gpu_bench.py's CPU-side logic: the seeds' pairs it times on a lent GPU are the
+seeds' own (004: warp 0 alone vs lane-owned, through route_variant; 001: a cast kernel and the
+GEMM as separate launches vs the fused kernel), labelled so the notebooks pair them, and the
+pairs compute the same thing. The callables are torch-only, so they run here on CPU tensors
+(the CPU kernels of the same ops); the timing itself needs a GPU and is not run."""
+from __future__ import annotations
+
+import csv
+
+import pytest
+import torch
+
+from experiments import gpu_bench, nb
+
+
+def _labels(impls):
+    ours = [k for k in impls if k.startswith("moelab")]
+    before = [k for k in impls if k.startswith("before:")]
+    return ours, before
+
+
+def test_route_pair_is_seed_004s_and_agrees():
+    g = torch.Generator().manual_seed(0)
+    E, K, T = 896, 16, 64
+    logits, bias = torch.randn(T, E, generator=g), torch.randn(E, generator=g) * 0.1
+    impls = gpu_bench.route_impls(logits, bias, K)
+    ours, before = _labels(impls)
+    assert len(ours) == 1 and len(before) == 1, impls.keys()
+    assert "warp 0" in before[0] and "lanes" in ours[0]
+    assert not any("eager" in k for k in ours + before), "the eager chain must not be the seed's before"
+    gpu_bench.check_route_pair(impls)                      # serial == lanes, bit for bit
+    (w_l, i_l), (w_s, i_s) = impls[ours[0]](), impls[before[0]]()
+    assert torch.equal(i_l, i_s)
+    w_e, i_e = impls["eager torch.topk chain (not seed 004's pair)"]()
+    assert (i_e == i_l).float().mean() > 0.99             # the same routing, up to sigmoid near-ties
+
+
+def test_check_route_pair_catches_a_difference():
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(8, 512, generator=g), torch.randn(512, generator=g) * 0.1
+    impls = gpu_bench.route_impls(logits, bias, 9)
+    ours, before = _labels(impls)
+    good = impls[before[0]]
+    impls[before[0]] = lambda: (good()[0], good()[1].flip(-1))
+    with pytest.raises(AssertionError, match="differ"):
+        gpu_bench.check_route_pair(impls)
+
+
+def test_router_gemm_before_is_cast_then_gemm():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4, 3072, generator=g).bfloat16()
+    w = torch.randn(256, 3072, generator=g) / 3072 ** 0.5
+    impls = gpu_bench.router_gemm_impls(x, w)
+    ours, before = _labels(impls)
+    assert len(ours) == 1 and len(before) == 1 and "2 launches" in before[0]
+    ref = x.double() @ w.double().t()
+    for fn in impls.values():
+        assert torch.allclose(fn().double(), ref, rtol=1e-4, atol=1e-4)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        impls[before[0]]()
+    ops = [e.name for e in prof.events() if e.name.startswith("aten::") and e.name in ("aten::copy_", "aten::mm")]
+    assert ops.count("aten::copy_") >= 1 and ops.count("aten::mm") == 1, ops
+
+
+def test_notebook_pairs_the_bench_rows(tmp_path, monkeypatch):
+    """nb.gpu_speedups(op, "moelab", <004's before prefix>) picks exactly the seed's pair from
+    rows labelled as bench_route writes them (the eager row is not taken as the before)."""
+    g = torch.Generator().manual_seed(3)
+    impls = gpu_bench.route_impls(torch.randn(2, 896, generator=g), torch.zeros(896), 16)
+    root = tmp_path / "results" / "fake-gpu"
+    root.mkdir(parents=True)
+    with open(root / "gpu_bench.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["op", "case", "impl", "median_us", "p10_us", "p90_us", "floor_us", "note"])
+        for label, us in zip(impls, (12.0, 20.0, 90.0)):
+            w.writerow(["route", "E=896 K=16 T=512 sigmoid_bias", label, us, us, us, 1.0, ""])
+    monkeypatch.setattr(nb, "results_root", lambda: tmp_path / "results")
+    sp = nb.gpu_speedups("route", "moelab", "before: warp 0")
+    assert len(sp) == 1 and sp["speedup"].iloc[0] == pytest.approx(20.0 / 12.0)
