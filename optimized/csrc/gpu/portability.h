@@ -141,9 +141,23 @@ MOELAB_DEV double shfl_idx(double v, int s) {
 }
 
 // ---------------------------------------------------------------- 16-byte vectors
+// ld_vec / st_vec: one naturally aligned vector access of V (uint4, uint2, or a scalar); the
+// emulator checks the alignment (a misaligned vector access faults on a GPU).
+template <typename V> MOELAB_DEV V ld_vec(const V* p) {
+#if defined(MOELAB_EMU)
+  ::moelab::emu::vector_access(p, sizeof(V), false);
+#endif
+  return *p;
+}
+template <typename V> MOELAB_DEV void st_vec(V* p, V v) {
+#if defined(MOELAB_EMU)
+  ::moelab::emu::vector_access(p, sizeof(V), true);
+#endif
+  *p = v;
+}
 using vec16 = uint4;   // 16 bytes: 8 bf16/f16, 4 f32
-MOELAB_DEV vec16 ld16(const void* p) { return *static_cast<const vec16*>(p); }
-MOELAB_DEV void st16(void* p, vec16 v) { *static_cast<vec16*>(p) = v; }
+MOELAB_DEV vec16 ld16(const void* p) { return ld_vec(static_cast<const vec16*>(p)); }
+MOELAB_DEV void st16(void* p, vec16 v) { st_vec(static_cast<vec16*>(p), v); }
 MOELAB_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ----------------------------------------------------------- number formats
@@ -246,7 +260,9 @@ MOELAB_DEV float div_rn(float a, float b) {
 // one cvt.rn.bf16.f32; elsewhere the integer rounding of f32_bf16. The same value for every
 // input; only a NaN's payload may differ (the hardware returns the canonical NaN).
 MOELAB_DEV float round_bf16(float f) {
-#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(MOELAB_EMU) && MOELAB_EMU_MMA
+  return __uint_as_float(uint32_t(::moelab::emu::cvt_rn_bf16_f32(f)) << 16);   // the emulated cvt
+#elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return __uint_as_float(uint32_t(h) << 16);
@@ -264,8 +280,18 @@ MOELAB_DEV float round_bf16(float f) {
 //   (g = lane / 4, c = lane % 4; the lower k of a pair in the low 16 bits).
 // The order in which the hardware adds the 16 products into d is not specified: results are
 // deterministic on one GPU model but not the order of a scalar loop. 0 on HIP, in the
-// emulator and in host passes, where kernels take their SIMT branch.
-#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// emulator's default builds and in host passes, where kernels take their SIMT branch. The
+// emulator's MMA build (MOELAB_EMU_MMA, 32-lane warps) runs this branch with the instruction
+// emulated (emu/emu.h: the same fragment layout).
+#if defined(MOELAB_EMU) && MOELAB_EMU_MMA
+#if MOELAB_EMU_WARP != 32
+#error "MOELAB_EMU_MMA emulates a CUDA instruction: 32-lane warps only"
+#endif
+#define MOELAB_HAS_MMA_BF16 1
+MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  ::moelab::emu::mma_m16n8k16_bf16(d, a, b);
+}
+#elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define MOELAB_HAS_MMA_BF16 1
 MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -284,6 +310,11 @@ MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint
 // csrc/gpu/emu/, where a launch runs the threads as fibers).
 #ifndef MOELAB_LAUNCH
 #define MOELAB_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+// A launcher's cap on a grid dimension, for kernels with grid-stride loops (the emulator can
+// lower it, so that tests reach those loops with small inputs).
+#ifndef MOELAB_GRID_CAP
+#define MOELAB_GRID_CAP(c) (c)
 #endif
 // Dynamically sized shared memory (the launch's smem bytes).
 #ifndef MOELAB_EXTERN_SHARED
