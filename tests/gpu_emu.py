@@ -39,8 +39,8 @@ _mods = {}
 
 
 # The access hooks: ThreadSanitizer's compile-time instrumentation only (no function entry/exit
-# calls), frame pointers for the emulator's call-site matching of collectives.
-RULE_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0", "-fno-omit-frame-pointer"]
+# calls).
+RULE_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
 
 
 def _tag(warp: int, mma: bool) -> str:
@@ -120,7 +120,7 @@ def load(warp: int, mma: bool = False):
     bdir = build_dir(warp, mma)
     files = sources(warp, bdir / "gen")
     cflags = ["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
-              "-Wno-unknown-pragmas", "-fno-omit-frame-pointer"] + (["-DMOELAB_EMU_MMA=1"] if mma else [])
+              "-Wno-unknown-pragmas"] + (["-DMOELAB_EMU_MMA=1"] if mma else [])
     ldflags = []
     preload = None
     if SANITIZE:

@@ -54,15 +54,32 @@ using lanemask_t = unsigned int;
 constexpr int kLogWarp = kWarp == 64 ? 6 : 5;
 static_assert((1 << kLogWarp) == kWarp, "warp size must be a power of two");
 
+// The emulator matches the lanes of a warp collective by their source location (emu/emu.h):
+// in its builds every collective wrapper below takes the caller's file and line as defaulted
+// trailing arguments and hands them on; elsewhere these macros are empty.
+#if defined(MOELAB_EMU)
+#define MOELAB_SITE_DECL , const char* site_file_ = __builtin_FILE(), int site_line_ = __builtin_LINE()
+#define MOELAB_SITE_DECL1 const char* site_file_ = __builtin_FILE(), int site_line_ = __builtin_LINE()
+#define MOELAB_SITE_ARG , site_file_, site_line_
+#define MOELAB_SITE_ARG1 site_file_, site_line_
+#define MOELAB_WAVE_BARRIER() ::moelab::emu::wave_barrier(site_file_, site_line_)
+#else
+#define MOELAB_SITE_DECL
+#define MOELAB_SITE_DECL1
+#define MOELAB_SITE_ARG
+#define MOELAB_SITE_ARG1
+#define MOELAB_WAVE_BARRIER() __builtin_amdgcn_wave_barrier()
+#endif
+
 // ------------------------------------------------------------------ lanes and warps
 MOELAB_DEV int lane_id() { return int(threadIdx.x) & (kWarp - 1); }   // 1-D blocks only
 MOELAB_DEV int warp_id() { return int(threadIdx.x) >> kLogWarp; }
 
-MOELAB_DEV lanemask_t ballot(bool p) {
+MOELAB_DEV lanemask_t ballot(bool p MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return __ballot(p);
+  return __ballot(p MOELAB_SITE_ARG);
 #else
-  return __ballot_sync(0xffffffffu, p);
+  return __ballot_sync(0xffffffffu, p MOELAB_SITE_ARG);
 #endif
 }
 
@@ -86,58 +103,58 @@ MOELAB_DEV int lowest_lane(lanemask_t m) {
 #endif
 }
 
-MOELAB_DEV void warp_sync() {
+MOELAB_DEV void warp_sync(MOELAB_SITE_DECL1) {
 #if MOELAB_HIP
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
-  __builtin_amdgcn_wave_barrier();
+  MOELAB_WAVE_BARRIER();
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 #else
-  __syncwarp();
+  __syncwarp(MOELAB_SITE_ARG1);
 #endif
 }
 
 // ------------------------------------------------------------------------- shuffles
 // 32-bit types directly; 64-bit as two 32-bit halves (portable on every HIP version).
-MOELAB_DEV uint32_t shfl_xor(uint32_t v, int m) {
+MOELAB_DEV uint32_t shfl_xor(uint32_t v, int m MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl_xor(int(v), m));
+  return uint32_t(__shfl_xor(int(v), m MOELAB_SITE_ARG));
 #else
-  return __shfl_xor_sync(0xffffffffu, v, m);
+  return __shfl_xor_sync(0xffffffffu, v, m MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV uint32_t shfl_down(uint32_t v, int d) {
+MOELAB_DEV uint32_t shfl_down(uint32_t v, int d MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl_down(int(v), unsigned(d)));
+  return uint32_t(__shfl_down(int(v), unsigned(d) MOELAB_SITE_ARG));
 #else
-  return __shfl_down_sync(0xffffffffu, v, unsigned(d));
+  return __shfl_down_sync(0xffffffffu, v, unsigned(d) MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV uint32_t shfl_idx(uint32_t v, int src) {
+MOELAB_DEV uint32_t shfl_idx(uint32_t v, int src MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl(int(v), src));
+  return uint32_t(__shfl(int(v), src MOELAB_SITE_ARG));
 #else
-  return __shfl_sync(0xffffffffu, v, src);
+  return __shfl_sync(0xffffffffu, v, src MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV int32_t shfl_xor(int32_t v, int m) { return int32_t(shfl_xor(uint32_t(v), m)); }
-MOELAB_DEV int32_t shfl_down(int32_t v, int d) { return int32_t(shfl_down(uint32_t(v), d)); }
-MOELAB_DEV int32_t shfl_idx(int32_t v, int s) { return int32_t(shfl_idx(uint32_t(v), s)); }
-MOELAB_DEV float shfl_xor(float v, int m) { return __uint_as_float(shfl_xor(__float_as_uint(v), m)); }
-MOELAB_DEV float shfl_down(float v, int d) { return __uint_as_float(shfl_down(__float_as_uint(v), d)); }
-MOELAB_DEV float shfl_idx(float v, int s) { return __uint_as_float(shfl_idx(__float_as_uint(v), s)); }
-MOELAB_DEV uint64_t shfl_xor(uint64_t v, int m) {
-  uint32_t lo = shfl_xor(uint32_t(v), m), hi = shfl_xor(uint32_t(v >> 32), m);
+MOELAB_DEV int32_t shfl_xor(int32_t v, int m MOELAB_SITE_DECL) { return int32_t(shfl_xor(uint32_t(v), m MOELAB_SITE_ARG)); }
+MOELAB_DEV int32_t shfl_down(int32_t v, int d MOELAB_SITE_DECL) { return int32_t(shfl_down(uint32_t(v), d MOELAB_SITE_ARG)); }
+MOELAB_DEV int32_t shfl_idx(int32_t v, int s MOELAB_SITE_DECL) { return int32_t(shfl_idx(uint32_t(v), s MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_xor(float v, int m MOELAB_SITE_DECL) { return __uint_as_float(shfl_xor(__float_as_uint(v), m MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_down(float v, int d MOELAB_SITE_DECL) { return __uint_as_float(shfl_down(__float_as_uint(v), d MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_idx(float v, int s MOELAB_SITE_DECL) { return __uint_as_float(shfl_idx(__float_as_uint(v), s MOELAB_SITE_ARG)); }
+MOELAB_DEV uint64_t shfl_xor(uint64_t v, int m MOELAB_SITE_DECL) {
+  uint32_t lo = shfl_xor(uint32_t(v), m MOELAB_SITE_ARG), hi = shfl_xor(uint32_t(v >> 32), m MOELAB_SITE_ARG);
   return (uint64_t(hi) << 32) | lo;
 }
-MOELAB_DEV uint64_t shfl_idx(uint64_t v, int s) {
-  uint32_t lo = shfl_idx(uint32_t(v), s), hi = shfl_idx(uint32_t(v >> 32), s);
+MOELAB_DEV uint64_t shfl_idx(uint64_t v, int s MOELAB_SITE_DECL) {
+  uint32_t lo = shfl_idx(uint32_t(v), s MOELAB_SITE_ARG), hi = shfl_idx(uint32_t(v >> 32), s MOELAB_SITE_ARG);
   return (uint64_t(hi) << 32) | lo;
 }
-MOELAB_DEV double shfl_xor(double v, int m) {
-  return __longlong_as_double(static_cast<long long>(shfl_xor(static_cast<uint64_t>(__double_as_longlong(v)), m)));
+MOELAB_DEV double shfl_xor(double v, int m MOELAB_SITE_DECL) {
+  return __longlong_as_double(static_cast<long long>(shfl_xor(static_cast<uint64_t>(__double_as_longlong(v)), m MOELAB_SITE_ARG)));
 }
-MOELAB_DEV double shfl_idx(double v, int s) {
-  return __longlong_as_double(static_cast<long long>(shfl_idx(static_cast<uint64_t>(__double_as_longlong(v)), s)));
+MOELAB_DEV double shfl_idx(double v, int s MOELAB_SITE_DECL) {
+  return __longlong_as_double(static_cast<long long>(shfl_idx(static_cast<uint64_t>(__double_as_longlong(v)), s MOELAB_SITE_ARG)));
 }
 
 // ---------------------------------------------------------------- 16-byte vectors
@@ -288,8 +305,8 @@ MOELAB_DEV float round_bf16(float f) {
 #error "MOELAB_EMU_MMA emulates a CUDA instruction: 32-lane warps only"
 #endif
 #define MOELAB_HAS_MMA_BF16 1
-MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  ::moelab::emu::mma_m16n8k16_bf16(d, a, b);
+MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2] MOELAB_SITE_DECL) {
+  ::moelab::emu::mma_m16n8k16_bf16(d, a, b, site_file_, site_line_);
 }
 #elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define MOELAB_HAS_MMA_BF16 1

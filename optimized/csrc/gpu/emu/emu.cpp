@@ -254,22 +254,11 @@ __attribute__((no_sanitize_thread)) void access(uintptr_t p, int n, bool write) 
   g_in_hook = false;
 }
 
-// The call site of a collective: a hash of the return addresses on this fiber's stack (the
-// kernels are built with frame pointers), so lanes at two different shuffles differ even when
-// both go through one portability.h wrapper.
-__attribute__((noinline)) uint64_t call_site(int kind) {
-  uint64_t h = 1469598103934665603ull ^ uint64_t(kind);
-  const Fiber& f = *g_cur;
-  const uintptr_t lo = reinterpret_cast<uintptr_t>(f.stack), hi = lo + kStack;
-  auto fp = reinterpret_cast<uintptr_t>(__builtin_frame_address(0));
-  for (int d = 0; d < 64 && fp >= lo && fp + 16 <= hi; ++d) {
-    const uintptr_t ret = reinterpret_cast<const uintptr_t*>(fp)[1];
-    h = (h ^ ret) * 1099511628211ull;
-    const uintptr_t next = reinterpret_cast<const uintptr_t*>(fp)[0];
-    if (next <= fp) break;
-    fp = next;
-  }
-  return h;
+// The call site of a collective: its source file and line (the portability.h wrappers hand on
+// their caller's), with the kind. Lanes at two different shuffles differ; two calls of one
+// helper (a block scan) from different places of a kernel do not.
+uint64_t call_site(int kind, const char* file, int line) {
+  return (reinterpret_cast<uintptr_t>(file) * 1099511628211ull) ^ (uint64_t(uint32_t(line)) << 8) ^ uint64_t(kind);
 }
 
 unsigned seed() {
@@ -418,21 +407,21 @@ void run_block(const dim3& grid, const dim3& block, const dim3& bidx, size_t sme
 const Ids& ids() { return g_cur->ids; }
 int lane() { return g_cur->lane; }
 
-const uint64_t* exchange_n(const uint64_t* v, int n, int kind) {
+const uint64_t* exchange_n(const uint64_t* v, int n, int kind, const char* file, int line) {
   Fiber& f = *g_cur;
   uint64_t* s = warp_slots(f, f.gen);
   for (int i = 0; i < n; ++i) s[size_t(f.lane) * kSlotWords + size_t(i)] = v[i];
   f.kind = kind;
-  f.site = call_site(kind);
+  f.site = call_site(kind, file, line);
   f.wait = kAtWarp;
   switch_back(f, false);
   ++f.gen;
   return s;
 }
 
-void sync_block() {
+void sync_block(const char* file, int line) {
   Fiber& f = *g_cur;
-  f.site = call_site(0);
+  f.site = call_site(0, file, line);
   f.wait = kAtBlock;
   switch_back(f, false);
 }
@@ -446,10 +435,10 @@ void fence(int order) {
   }
 }
 
-void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const char* file, int line) {
   const uint64_t mine[5] = {a[0] | (uint64_t(a[1]) << 32), a[2] | (uint64_t(a[3]) << 32), b[0] | (uint64_t(b[1]) << 32),
                             bits(d[0]) | (bits(d[1]) << 32), bits(d[2]) | (bits(d[3]) << 32)};
-  const uint64_t* s = exchange_n(mine, 5, kMma);
+  const uint64_t* s = exchange_n(mine, 5, kMma, file, line);
   auto reg = [&](int l, int word, int half) { return uint32_t(s[size_t(l) * kSlotWords + size_t(word)] >> (32 * half)); };
   // A[r][k]: lane (r % 8) * 4 + (k % 8) / 2, register (r >= 8) + 2 * (k >= 8), half k % 2.
   auto A = [&](int r, int k) {

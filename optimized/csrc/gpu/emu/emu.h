@@ -83,9 +83,13 @@ const Ids& ids();
 int lane();
 // Deposit n words for this lane's warp collective, wait for the warp, return its slots
 // (lane l's words at l * kSlotWords).
-const uint64_t* exchange_n(const uint64_t* v, int n, int kind);
-inline const uint64_t* exchange(uint64_t v, int kind) { return exchange_n(&v, 1, kind); }
-void sync_block();
+// file/line: the call site (collectives are matched by it).
+const uint64_t* exchange_n(const uint64_t* v, int n, int kind, const char* file, int line);
+inline const uint64_t* exchange(uint64_t v, int kind, const char* file, int line) {
+  return exchange_n(&v, 1, kind, file, line);
+}
+void sync_block(const char* file, int line);
+inline void wave_barrier(const char* file, int line) { (void)exchange(0, kSync, file, line); }
 void fence(int order);
 // A vector load/store of n bytes at p (portability.h's ld_vec/st_vec): fails unless n-aligned.
 void vector_access(const void* p, size_t n, bool write);   // HIP's __builtin_amdgcn_fence (release / acquire halves of warp_sync)
@@ -111,12 +115,12 @@ template <typename T> inline T unbits(uint64_t b) {
   std::memcpy(&v, &b, sizeof(T));
   return v;
 }
-template <typename T> inline T shfl(T v, int src) {
-  const uint64_t* s = exchange(bits(v), kShfl);
+template <typename T> inline T shfl(T v, int src, const char* file, int line) {
+  const uint64_t* s = exchange(bits(v), kShfl, file, line);
   return unbits<T>(s[src * kSlotWords]);
 }
-inline uint64_t ballot_bits(bool p) {
-  const uint64_t* s = exchange(p ? 1u : 0u, kBallot);
+inline uint64_t ballot_bits(bool p, const char* file, int line) {
+  const uint64_t* s = exchange(p ? 1u : 0u, kBallot, file, line);
   uint64_t m = 0;
   for (int l = 0; l < kEmuWarp; ++l) m |= (s[l * kSlotWords] & 1u) << l;
   return m;
@@ -139,7 +143,7 @@ inline uint16_t cvt_rn_bf16_f32(float f) {
 // The hardware's order of additions is not specified; the emulator adds the 16 products into
 // C one fmaf at a time, k ascending (the SIMT path's order, so both branches give the same bits
 // in the emulator). Products of two bf16 are exact in f32 either way.
-void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]);
+void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const char* file, int line);
 
 }  // namespace moelab::emu
 
@@ -153,7 +157,8 @@ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
 #define MOELAB_GRID_CAP(c) ::moelab::emu::grid_cap(c)
 #define MOELAB_EXTERN_SHARED(T, name) T* name = static_cast<T*>(::moelab::emu::dynamic_smem())
 
-inline void __syncthreads() { ::moelab::emu::sync_block(); }
+#define MOELAB_EMU_SITE const char* file = __builtin_FILE(), int line = __builtin_LINE()
+inline void __syncthreads(MOELAB_EMU_SITE) { ::moelab::emu::sync_block(file, line); }
 
 // ------------------------------------------------------------------- bit casts, math
 inline unsigned __float_as_uint(float f) { return ::moelab::emu::unbits<unsigned>(::moelab::emu::bits(f)); }
@@ -173,17 +178,20 @@ inline int atomicCAS(int* p, int cmp, int val) {   // fibers never preempt each 
 
 #if MOELAB_EMU_WARP == 32
 // ------------------------------------------------------------ CUDA-flavoured API
-inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m) {
-  return ::moelab::emu::shfl(v, (::moelab::emu::lane() ^ m) & 31);
+inline unsigned __shfl_xor_sync(unsigned, unsigned v, int m, MOELAB_EMU_SITE) {
+  return ::moelab::emu::shfl(v, (::moelab::emu::lane() ^ m) & 31, file, line);
 }
-inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned d) {
+inline unsigned __shfl_down_sync(unsigned, unsigned v, unsigned d, MOELAB_EMU_SITE) {
   const int src = ::moelab::emu::lane() + int(d);
-  const unsigned got = ::moelab::emu::shfl(v, src < 32 ? src : ::moelab::emu::lane());
-  return got;
+  return ::moelab::emu::shfl(v, src < 32 ? src : ::moelab::emu::lane(), file, line);
 }
-inline unsigned __shfl_sync(unsigned, unsigned v, int src) { return ::moelab::emu::shfl(v, src & 31); }
-inline unsigned __ballot_sync(unsigned, bool p) { return unsigned(::moelab::emu::ballot_bits(p)); }
-inline void __syncwarp() { (void)::moelab::emu::exchange(0, ::moelab::emu::kSync); }
+inline unsigned __shfl_sync(unsigned, unsigned v, int src, MOELAB_EMU_SITE) {
+  return ::moelab::emu::shfl(v, src & 31, file, line);
+}
+inline unsigned __ballot_sync(unsigned, bool p, MOELAB_EMU_SITE) {
+  return unsigned(::moelab::emu::ballot_bits(p, file, line));
+}
+inline void __syncwarp(MOELAB_EMU_SITE) { (void)::moelab::emu::exchange(0, ::moelab::emu::kSync, file, line); }
 inline int __popc(unsigned m) { return __builtin_popcount(m); }
 inline int __ffs(int m) { return __builtin_ffs(m); }
 inline float __fmul_rn(float a, float b) { volatile float r = a * b; return r; }
@@ -201,17 +209,19 @@ inline cudaError_t cudaGetLastError() { return ::moelab::emu::last_error(); }
 inline const char* cudaGetErrorString(cudaError_t e) { return e == 0 ? "no error" : "invalid configuration (emulator)"; }
 #else
 // ------------------------------------------------------------- HIP-flavoured API
-inline int __shfl_xor(int v, int m) { return ::moelab::emu::shfl(v, (::moelab::emu::lane() ^ m) & 63); }
-inline int __shfl_down(int v, unsigned d) {
-  const int src = ::moelab::emu::lane() + int(d);
-  return ::moelab::emu::shfl(v, src < 64 ? src : ::moelab::emu::lane());
+inline int __shfl_xor(int v, int m, MOELAB_EMU_SITE) {
+  return ::moelab::emu::shfl(v, (::moelab::emu::lane() ^ m) & 63, file, line);
 }
-inline int __shfl(int v, int src) { return ::moelab::emu::shfl(v, src & 63); }
-inline unsigned long long __ballot(bool p) { return ::moelab::emu::ballot_bits(p); }
+inline int __shfl_down(int v, unsigned d, MOELAB_EMU_SITE) {
+  const int src = ::moelab::emu::lane() + int(d);
+  return ::moelab::emu::shfl(v, src < 64 ? src : ::moelab::emu::lane(), file, line);
+}
+inline int __shfl(int v, int src, MOELAB_EMU_SITE) { return ::moelab::emu::shfl(v, src & 63, file, line); }
+inline unsigned long long __ballot(bool p, MOELAB_EMU_SITE) { return ::moelab::emu::ballot_bits(p, file, line); }
 inline int __popcll(unsigned long long m) { return __builtin_popcountll(m); }
 inline int __ffsll(unsigned long long m) { return __builtin_ffsll(static_cast<long long>(m)); }
 #define __builtin_amdgcn_fence(order, scope) ::moelab::emu::fence(order)
-#define __builtin_amdgcn_wave_barrier() ((void)::moelab::emu::exchange(0, ::moelab::emu::kSync))
+#define __builtin_amdgcn_wave_barrier() ::moelab::emu::wave_barrier(__FILE__, __LINE__)
 using hipError_t = int;
 using hipStream_t = void*;
 constexpr int hipSuccess = 0;
