@@ -36,6 +36,8 @@ SANITIZE = os.environ.get("MOELAB_SANITIZE", "0") not in ("", "0")
 # As optimized/_build.py's SANITIZE_FLAGS (-g1: file and line in every frame of a report).
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1"]
 _mods = {}
+# Compile-time plants (negative controls inside real kernels): the sources that read the macro.
+PLANTED_IN = {"MMA_LAYOUT": {"fused_experts"}}
 
 
 # The access hooks: ThreadSanitizer's compile-time instrumentation only (no function entry/exit
@@ -43,12 +45,13 @@ _mods = {}
 RULE_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
 
 
-def _tag(warp: int, mma: bool) -> str:
-    return f"{warp}{'mma' if mma else ''}"
+def _tag(warp: int, mma: bool, plant: str = "") -> str:
+    return f"{warp}{'mma' if mma else ''}{'_' + plant.lower() if plant else ''}"
 
 
-def build_dir(warp: int, mma: bool = False) -> Path:
-    return Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) / f"gpu-emu{_tag(warp, mma)}{'-sanitize' if SANITIZE else ''}"
+def build_dir(warp: int, mma: bool = False, plant: str = "") -> Path:
+    return (Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) /
+            f"gpu-emu{_tag(warp, mma, plant)}{'-sanitize' if SANITIZE else ''}")
 
 
 def _asan_loaded() -> bool:
@@ -78,10 +81,11 @@ def sources(warp: int, gen: Path) -> list[str]:
     return files
 
 
-def _kernel_archive(bdir: Path, files: list[str], cflags: list[str]) -> Path:
+def _kernel_archive(bdir: Path, files: list[str], cflags: list[str], prebuilt: list[Path] = ()) -> Path:
     """Compile the torch-free translation units (kernels, rule controls) with the access hooks into
     a static archive under bdir/kernels (ninja: only what changed), and return a copy named by
-    its content hash (the extension's link flags name it, so a new archive relinks the module)."""
+    its content hash (the extension's link flags name it, so a new archive relinks the module).
+    prebuilt: objects of another build to archive as they are (a plant variant reuses them)."""
     kdir = bdir / "kernels"
     kdir.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "c++")
@@ -93,7 +97,7 @@ def _kernel_archive(bdir: Path, files: list[str], cflags: list[str]) -> Path:
         o = Path(f).stem + ".o"
         objs.append(o)
         lines.append(f"build {o}: cc {Path(f).as_posix()}")
-    lines.append("build kernels.a: ar " + " ".join(objs))
+    lines.append("build kernels.a: ar " + " ".join(objs + [p.as_posix() for p in prebuilt]))
     text = "\n".join(lines) + "\n"
     ninja = kdir / "build.ninja"
     if not ninja.exists() or ninja.read_text() != text:
@@ -110,17 +114,18 @@ def _kernel_archive(bdir: Path, files: list[str], cflags: list[str]) -> Path:
     return named
 
 
-def load(warp: int, mma: bool = False):
-    """The emulated kernels with `warp`-lane warps; mma=True (32 only): the sm_80+ branch."""
-    key = _tag(warp, mma)
+def load(warp: int, mma: bool = False, plant: str = ""):
+    """The emulated kernels with `warp`-lane warps; mma=True (32 only): the sm_80+ branch; plant:
+    a kernel's compile-time negative control (MOELAB_PLANT_<plant>, its own build)."""
+    key = _tag(warp, mma, plant)
     if key in _mods:
         return _mods[key]
     from torch.utils import cpp_extension
 
-    bdir = build_dir(warp, mma)
+    bdir = build_dir(warp, mma, plant)
     files = sources(warp, bdir / "gen")
     cflags = ["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
-              "-Wno-unknown-pragmas"] + (["-DMOELAB_EMU_MMA=1"] if mma else [])
+              "-Wno-unknown-pragmas"] + (["-DMOELAB_EMU_MMA=1"] if mma else []) + ([f"-DMOELAB_PLANT_{plant}"] if plant else [])
     ldflags = []
     preload = None
     if SANITIZE:
@@ -134,7 +139,13 @@ def load(warp: int, mma: bool = False):
         # Kernels and rule controls instrumented, in their own archive; the rest plain.
         cflags += ["-DMOELAB_EMU_RULES=1"]
         n_kernel = len(files) - 2
-        archive = _kernel_archive(bdir, files[:n_kernel], ["-fPIC", *cflags, *RULE_FLAGS])
+        kernel_files, prebuilt = files[:n_kernel], []
+        if plant:   # only the planted kernel's file is compiled again; the rest from the plain build
+            load(warp, mma)
+            base = build_dir(warp, mma) / "kernels"
+            prebuilt = [base / (Path(f).stem + ".o") for f in kernel_files if Path(f).stem not in PLANTED_IN[plant]]
+            kernel_files = [f for f in kernel_files if Path(f).stem in PLANTED_IN[plant]]
+        archive = _kernel_archive(bdir, kernel_files, ["-fPIC", *cflags, *RULE_FLAGS], prebuilt)
         files = files[n_kernel:]
         ldflags += ["-Wl,--whole-archive", str(archive), "-Wl,--no-whole-archive"]
     try:

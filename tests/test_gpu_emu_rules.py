@@ -259,3 +259,20 @@ def test_fused_experts_more_than_256_experts_and_tiled_m_over_64(key):
     small = fe_ok(m, x[:5], w13, w2, tw[:5], ids[:5], kw, FE_SMALL)
     assert not small.isnan().any()
     torch.testing.assert_close(small.float(), cpu[:5].float(), rtol=2 ** -6, atol=2 ** -6)
+
+
+def test_planted_fragment_layout_in_fused_experts_fails():
+    """fused_experts built with MOELAB_PLANT_MMA_LAYOUT (A's fragment registers 1 and 2 swapped
+    in fe_tiled's tensor-core branch, fused_experts.cu) must fail the tiled path's bitwise check
+    that the unplanted MMA build passes (tests/test_gpu_emulated.py); its small path, which has
+    no MMA, still passes."""
+    from tests.test_fused_experts_optimized import make_case
+    from tests.test_gpu_emulated import FE_SMALL, FE_TILED, fe_cpu, fe_ok
+    planted = gpu_emu.load(32, mma=True, plant="MMA_LAYOUT")
+    clean = gpu_emu.load(32, mma=True)
+    x, w13, w2, tw, ids, kw = make_case("bf16", "silu", 3, 64, 32, 7, 2, seed=11)
+    cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+    assert _same(fe_ok(clean, x, w13, w2, tw, ids, kw, FE_TILED), cpu)
+    assert not _same(fe_ok(planted, x, w13, w2, tw, ids, kw, FE_TILED), cpu)
+    torch.testing.assert_close(fe_ok(planted, x, w13, w2, tw, ids, kw, FE_SMALL).float(), cpu.float(),
+                               rtol=2 ** -6, atol=2 ** -6)

@@ -479,6 +479,11 @@ fe_tiled(FeGemm g) {
           a[i][1] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd);
           a[i][2] = *reinterpret_cast<const uint32_t*>(pa + 8);
           a[i][3] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd + 8);
+#if defined(MOELAB_EMU) && defined(MOELAB_PLANT_MMA_LAYOUT)   // negative control (tests only)
+          const uint32_t t = a[i][1];
+          a[i][1] = a[i][2];
+          a[i][2] = t;
+#endif
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
