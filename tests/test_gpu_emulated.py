@@ -3,14 +3,16 @@ unchanged, built against the SIMT emulator of csrc/gpu/emu (tests/gpu_emu.py) wi
 (the CUDA branch of portability.h) and 64-lane wavefronts (the HIP branch).
 
 What this proves: the kernels' index logic, tie rules, reductions, tier table, tails, strides and
-argument checks are right for both warp widths, bit for bit where the contract is exact. What it
-cannot prove: real-GPU memory ordering, timing, and the vendor compilers' code generation (the
-compile check and scripts/gpu_check.sh cover those where a GPU is lent).
+argument checks are right for both warp widths, bit for bit where the contract is exact, and
+that they keep the hardware rules the emulator checks at every access (shared-memory races and
+uninitialised reads, natural alignment, collectives at one call site; tests/test_gpu_emu_rules.py
+has each rule's negative control). What it cannot prove: real-GPU memory ordering beyond those
+rules, timing, and the vendor compilers' code generation (the compile check and
+scripts/gpu_check.sh cover those where a GPU is lent).
 
-fused_experts: the emulator runs the kernels' SIMT code. The tiled path's CUDA tensor-core
-branch (inline PTX mma.sync, taken on sm_80+) cannot execute here, so the emulated tiled path is
-the SIMT fallback that ROCm runs; the tensor-core branch is only compiled (make compile-check)
-and checked on a GPU by scripts/gpu_opcheck.py.
+fused_experts runs on a third build as well, 32-lane warps with the sm_80+ branch on: the tiled
+path's tensor-core code with mma.sync m16n8k16 and cvt.rn.bf16.f32 emulated from the PTX ISA
+(emu.h); on a GPU scripts/gpu_opcheck.py checks it against the hardware.
 """
 from __future__ import annotations
 

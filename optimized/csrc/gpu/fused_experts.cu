@@ -59,9 +59,10 @@
 //       32x32. The hardware's order of additions inside an MMA is not specified, so this
 //       path is deterministic but not batch invariant: in batch-invariant mode
 //       optimized.dispatch sends every block to the small-m path.
-//       HIP, older CUDA and the CPU emulator: SIMT, each thread a TMx4 register tile with
+//       HIP, older CUDA and the CPU emulator's default builds: SIMT, each thread a TMx4 register tile with
 //       one fmaf per k in ascending order: the CPU kernel's order at its scalar, avx2 and
-//       avx512 levels, so there the two agree bit for bit (tests/test_gpu_emulated.py).
+//       avx512 levels, so there the two agree bit for bit (tests/test_gpu_emulated.py; the
+//       emulator's MMA build runs the tensor-core branch with the instruction emulated).
 //   An exact-zero sum is +0 on every path (accumulators start at +0), so zero padding of a
 //   k tail never changes a bit.
 //
