@@ -1,17 +1,32 @@
 """Build and load the CPU-emulated GPU kernels (optimized/csrc/gpu/emu): the CUDA/HIP sources,
 unchanged, compiled by the host compiler with -DMOELAB_EMU, once with 32-lane warps (the CUDA
-branch of portability.h) and once with 64-lane wavefronts (the HIP branch, plus the ROCm-only
-wave64 skinny GEMM). Used by tests/test_gpu_emulated.py.
+branch of portability.h), once more with 32-lane warps and the sm_80+ branch on (mma=True:
+MOELAB_EMU_MMA, the tensor-core path of fused_experts with the instruction emulated), and once
+with 64-lane wavefronts (the HIP branch, plus the ROCm-only wave64 skinny GEMM).
+
+The emulator checks the hardware's rules (emu.h: natural alignment, uninitialised and racing
+shared memory, collectives matched by call site) at every load and store of kernel code: the
+kernels and the rules' controls (rule_controls.cpp) are compiled apart, into a static archive,
+with -fsanitize=thread but linked without ThreadSanitizer's runtime, so that the compiler's
+per-access calls (__tsan_read4, ...) land in the emulator's own hooks (emu.cpp). The torch
+bindings and the scheduler are not instrumented. The archive is built by ninja (depfiles, so a
+header edit rebuilds what includes it) and linked under a content-hashed name, so the extension
+relinks whenever a kernel changes.
 
 Under `make sanitize` (MOELAB_SANITIZE=1, the environment of scripts/sanitize.py, which preloads
 libasan and libubsan) the same sources are built with AddressSanitizer + UBSan
 (SANITIZE_FLAGS) as moelab_gpu_emu{32,64}_sanitize in build/gpu-emu{32,64}-sanitize/, apart
 from the normal build/gpu-emu{32,64}/, so an out-of-bounds access or UB in a kernel's index
 math is reported on the CPU. The emulator tells ASan about its fiber stack switches (emu.cpp),
-and dynamic shared memory is an allocation of exactly the launch's bytes."""
+and dynamic shared memory is an allocation of exactly the launch's bytes. That build has no
+access hooks (ThreadSanitizer's instrumentation cannot be combined with ASan's), so the rules
+are checked only by the normal build (the module's `rules` attribute says which)."""
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -21,10 +36,22 @@ SANITIZE = os.environ.get("MOELAB_SANITIZE", "0") not in ("", "0")
 # As optimized/_build.py's SANITIZE_FLAGS (-g1: file and line in every frame of a report).
 SANITIZE_FLAGS = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer", "-g1"]
 _mods = {}
+# Compile-time plants (negative controls inside real kernels): the sources that read the macro.
+PLANTED_IN = {"MMA_LAYOUT": {"fused_experts"}}
 
 
-def build_dir(warp: int) -> Path:
-    return Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) / f"gpu-emu{warp}{'-sanitize' if SANITIZE else ''}"
+# The access hooks: ThreadSanitizer's compile-time instrumentation only (no function entry/exit
+# calls).
+RULE_FLAGS = ["-fsanitize=thread", "--param=tsan-instrument-func-entry-exit=0"]
+
+
+def _tag(warp: int, mma: bool, plant: str = "") -> str:
+    return f"{warp}{'mma' if mma else ''}{'_' + plant.lower() if plant else ''}"
+
+
+def build_dir(warp: int, mma: bool = False, plant: str = "") -> Path:
+    return (Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) /
+            f"gpu-emu{_tag(warp, mma, plant)}{'-sanitize' if SANITIZE else ''}")
 
 
 def _asan_loaded() -> bool:
@@ -36,7 +63,8 @@ def _asan_loaded() -> bool:
 
 def sources(warp: int, gen: Path) -> list[str]:
     """The translation units: each .cu/.hip file (through a generated .cpp that includes it), the
-    emulator, the bindings, and in the sanitized build only the negative controls."""
+    rules' controls, the emulator, the bindings, and in the sanitized build only the sanitizer's
+    negative controls."""
     gen.mkdir(parents=True, exist_ok=True)
     srcs = sorted((CSRC / "gpu").glob("*.cu")) + (sorted((CSRC / "hip").glob("*.hip")) if warp == 64 else [])
     files = []
@@ -46,21 +74,58 @@ def sources(warp: int, gen: Path) -> list[str]:
         if not f.exists() or f.read_text() != text:
             f.write_text(text)
         files.append(str(f))
-    files += [str(CSRC / "gpu" / "emu" / "emu.cpp"), str(CSRC / "gpu" / "emu" / "bindings.cpp")]
+    files += [str(CSRC / "gpu" / "emu" / "rule_controls.cpp"), str(CSRC / "gpu" / "emu" / "emu.cpp"),
+              str(CSRC / "gpu" / "emu" / "bindings.cpp")]
     if SANITIZE:   # the negative controls (tests/test_sanitize.py): never in the normal build
         files.append(str(CSRC / "gpu" / "emu" / "sanitizer_controls.cpp"))
     return files
 
 
-def load(warp: int):
-    if warp in _mods:
-        return _mods[warp]
+def _kernel_archive(bdir: Path, files: list[str], cflags: list[str], prebuilt: list[Path] = ()) -> Path:
+    """Compile the torch-free translation units (kernels, rule controls) with the access hooks into
+    a static archive under bdir/kernels (ninja: only what changed), and return a copy named by
+    its content hash (the extension's link flags name it, so a new archive relinks the module).
+    prebuilt: objects of another build to archive as they are (a plant variant reuses them)."""
+    kdir = bdir / "kernels"
+    kdir.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    lines = [f"cxx = {cxx}", "cflags = " + " ".join(cflags), "rule cc",
+             "  command = $cxx -MMD -MF $out.d $cflags -c $in -o $out", "  depfile = $out.d", "  deps = gcc",
+             "rule ar", "  command = rm -f $out && ar rcs $out $in"]
+    objs = []
+    for f in files:
+        o = Path(f).stem + ".o"
+        objs.append(o)
+        lines.append(f"build {o}: cc {Path(f).as_posix()}")
+    lines.append("build kernels.a: ar " + " ".join(objs + [p.as_posix() for p in prebuilt]))
+    text = "\n".join(lines) + "\n"
+    ninja = kdir / "build.ninja"
+    if not ninja.exists() or ninja.read_text() != text:
+        ninja.write_text(text)
+    p = subprocess.run(["ninja", "-C", str(kdir)], capture_output=True, text=True)
+    if p.returncode != 0:
+        raise RuntimeError("building the emulated kernels failed:\n" + (p.stdout + p.stderr)[-8000:])
+    digest = hashlib.sha256((kdir / "kernels.a").read_bytes()).hexdigest()[:16]
+    named = kdir / f"kernels-{digest}.a"
+    if not named.exists():
+        for old in kdir.glob("kernels-*.a"):
+            old.unlink()
+        shutil.copyfile(kdir / "kernels.a", named)
+    return named
+
+
+def load(warp: int, mma: bool = False, plant: str = ""):
+    """The emulated kernels with `warp`-lane warps; mma=True (32 only): the sm_80+ branch; plant:
+    a kernel's compile-time negative control (MOELAB_PLANT_<plant>, its own build)."""
+    key = _tag(warp, mma, plant)
+    if key in _mods:
+        return _mods[key]
     from torch.utils import cpp_extension
 
-    bdir = build_dir(warp)
+    bdir = build_dir(warp, mma, plant)
     files = sources(warp, bdir / "gen")
     cflags = ["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
-              "-Wno-unknown-pragmas"]
+              "-Wno-unknown-pragmas"] + (["-DMOELAB_EMU_MMA=1"] if mma else []) + ([f"-DMOELAB_PLANT_{plant}"] if plant else [])
     ldflags = []
     preload = None
     if SANITIZE:
@@ -70,11 +135,24 @@ def load(warp: int):
         cflags += ["-DMOELAB_SANITIZE=1", *SANITIZE_FLAGS, "-Wno-maybe-uninitialized", "-Wno-uninitialized"]
         ldflags += SANITIZE_FLAGS
         preload = os.environ.pop("LD_PRELOAD", None)   # the compiler and ninja run without the runtime
+    else:
+        # Kernels and rule controls instrumented, in their own archive; the rest plain.
+        cflags += ["-DMOELAB_EMU_RULES=1"]
+        n_kernel = len(files) - 2
+        kernel_files, prebuilt = files[:n_kernel], []
+        if plant:   # only the planted kernel's file is compiled again; the rest from the plain build
+            load(warp, mma)
+            base = build_dir(warp, mma) / "kernels"
+            prebuilt = [base / (Path(f).stem + ".o") for f in kernel_files if Path(f).stem not in PLANTED_IN[plant]]
+            kernel_files = [f for f in kernel_files if Path(f).stem in PLANTED_IN[plant]]
+        archive = _kernel_archive(bdir, kernel_files, ["-fPIC", *cflags, *RULE_FLAGS], prebuilt)
+        files = files[n_kernel:]
+        ldflags += ["-Wl,--whole-archive", str(archive), "-Wl,--no-whole-archive"]
     try:
-        _mods[warp] = cpp_extension.load(
-            name=f"moelab_gpu_emu{warp}{'_sanitize' if SANITIZE else ''}", sources=files, build_directory=str(bdir),
+        _mods[key] = cpp_extension.load(
+            name=f"moelab_gpu_emu{key}{'_sanitize' if SANITIZE else ''}", sources=files, build_directory=str(bdir),
             extra_cflags=cflags, extra_ldflags=ldflags, is_python_module=True, verbose=False)
     finally:
         if preload is not None:
             os.environ["LD_PRELOAD"] = preload
-    return _mods[warp]
+    return _mods[key]

@@ -3,14 +3,16 @@ unchanged, built against the SIMT emulator of csrc/gpu/emu (tests/gpu_emu.py) wi
 (the CUDA branch of portability.h) and 64-lane wavefronts (the HIP branch).
 
 What this proves: the kernels' index logic, tie rules, reductions, tier table, tails, strides and
-argument checks are right for both warp widths, bit for bit where the contract is exact. What it
-cannot prove: real-GPU memory ordering, timing, and the vendor compilers' code generation (the
-compile check and scripts/gpu_check.sh cover those where a GPU is lent).
+argument checks are right for both warp widths, bit for bit where the contract is exact, and
+that they keep the hardware rules the emulator checks at every access (shared-memory races and
+uninitialised reads, natural alignment, collectives at one call site; tests/test_gpu_emu_rules.py
+has each rule's negative control). What it cannot prove: real-GPU memory ordering beyond those
+rules, timing, and the vendor compilers' code generation (the compile check and
+scripts/gpu_check.sh cover those where a GPU is lent).
 
-fused_experts: the emulator runs the kernels' SIMT code. The tiled path's CUDA tensor-core
-branch (inline PTX mma.sync, taken on sm_80+) cannot execute here, so the emulated tiled path is
-the SIMT fallback that ROCm runs; the tensor-core branch is only compiled (make compile-check)
-and checked on a GPU by scripts/gpu_opcheck.py.
+fused_experts runs on a third build as well, 32-lane warps with the sm_80+ branch on: the tiled
+path's tensor-core code with mma.sync m16n8k16 and cvt.rn.bf16.f32 emulated from the PTX ISA
+(emu.h); on a GPU scripts/gpu_opcheck.py checks it against the hardware.
 """
 from __future__ import annotations
 
@@ -33,7 +35,17 @@ WARPS = [32, 64]
 
 @pytest.fixture(scope="module", params=WARPS, ids=lambda w: f"warp{w}")
 def emu(request):
+    """The emulated kernels: 32 (CUDA, SIMT branch), 64 (HIP), or "32mma" (CUDA with the sm_80+
+    tensor-core branch, the fused_experts tests' third build through FE_BUILDS)."""
+    if request.param == "32mma":
+        return gpu_emu.load(32, mma=True)
     return gpu_emu.load(request.param)
+
+
+# The fused_experts checks that reach the tensor-core branch or the bf16 conversion (the tiled
+# path's bits, NaN codes) run on all three builds: the tiled path's two CUDA branches and HIP's.
+# The rest (strides, the small path's batch invariance, workspace) run at 32 and 64 lanes.
+FE_BUILDS = pytest.mark.parametrize("emu", [32, "32mma", 64], indirect=True, ids=lambda w: f"warp{w}")
 
 
 def _route_inputs(T, E, K, method, dtype, seed, special):
@@ -294,9 +306,12 @@ def test_gemm_launchers_reject_bad_arguments(emu):
 
 
 # -------------------------------------------------------------------- fused_experts
-# The emulated kernel is the SIMT build: the tiled path's CUDA tensor-core branch (mma.sync,
-# portability.h) cannot run here (the emulator does not execute PTX), so "tiled" below is the
-# SIMT fallback that HIP runs; the tensor-core branch is only compiled (make compile-check).
+# Three emulated builds: warp32 and warp64 take the tiled path's SIMT branch (HIP's, and CUDA
+# before sm_80); warp32mma takes the CUDA sm_80+ branch, mma.sync m16n8k16 with the PTX ISA's
+# fragment layouts, emulated (emu.h) with its 16 products added k ascending, one fmaf each: the
+# SIMT branch's order, so every check below holds bit for bit on all three builds, and a wrong
+# fragment layout in the kernel fails them. (Real tensor cores add in their own order: on a GPU
+# the tiled path equals the CPU within tolerance, not bitwise; docs/gpu.md.)
 # Arithmetic that is the same on the CPU kernel and here, hence compared bit for bit:
 #   - the dequantized weights (fp8: bf16(f32(e4m3) * scale); bf16 and mxfp4 exact), the
 #     activation (the CPU's f32 formulas, Cephes exp), the bias add, the combine (f32, j
@@ -400,6 +415,7 @@ def fe_cancelling(quant, act, E=3, H=64, I=32, T=7, K=2, seed=21, S=2.0 ** 18):
     return x, w13, w2, tw, ids, kw
 
 
+@FE_BUILDS
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
 @pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
 def test_fused_experts_matches_reference(emu, quant, act):
@@ -473,6 +489,7 @@ def exact_sum_weights(quant, E, H, I, g, signed):
     return w13, s13, c2[:, :, 0::2] | (c2[:, :, 1::2] << 4), torch.full((E, H, I // 32), 127, dtype=torch.uint8)
 
 
+@FE_BUILDS
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
 def test_fused_experts_bitwise_with_the_cpu_kernel(emu, quant):
     """(1) Order-sensitive inputs (fe_cancelling): the tiled SIMT path equals the CPU kernel at
@@ -527,6 +544,7 @@ def test_fused_experts_small_path_is_batch_invariant(emu, weighted_input):
         assert not same_bits(fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED), full)
 
 
+@FE_BUILDS
 def test_fused_experts_special_weights_and_dropped_rows(emu):
     """fp8 NaN codes and a scale of 2^121, mxfp4 scale bytes 0, 1, 253 and 255 (NaN) decode as
     the CPU's exact decoder does (bitwise, NaN-aware); dropped slots are skipped, a fully
@@ -630,6 +648,7 @@ def test_fused_experts_weighted_input_matches_reference(emu, quant, act):
                 assert same_bits(out, cpu), "tiled SIMT path differs from the CPU kernel (scalar level)"
 
 
+@FE_BUILDS
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
 def test_fused_experts_weighted_input_bitwise_with_the_cpu_kernel(emu, quant):
     """Exact sums with the flag: small-integer x, weights in {+-1/4, +-1/2, +-1, +-2} (the scaled

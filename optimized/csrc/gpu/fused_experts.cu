@@ -59,9 +59,10 @@
 //       32x32. The hardware's order of additions inside an MMA is not specified, so this
 //       path is deterministic but not batch invariant: in batch-invariant mode
 //       optimized.dispatch sends every block to the small-m path.
-//       HIP, older CUDA and the CPU emulator: SIMT, each thread a TMx4 register tile with
+//       HIP, older CUDA and the CPU emulator's default builds: SIMT, each thread a TMx4 register tile with
 //       one fmaf per k in ascending order: the CPU kernel's order at its scalar, avx2 and
-//       avx512 levels, so there the two agree bit for bit (tests/test_gpu_emulated.py).
+//       avx512 levels, so there the two agree bit for bit (tests/test_gpu_emulated.py; the
+//       emulator's MMA build runs the tensor-core branch with the instruction emulated).
 //   An exact-zero sum is +0 on every path (accumulators start at +0), so zero padding of a
 //   k tail never changes a bit.
 //
@@ -479,6 +480,11 @@ fe_tiled(FeGemm g) {
           a[i][1] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd);
           a[i][2] = *reinterpret_cast<const uint32_t*>(pa + 8);
           a[i][3] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd + 8);
+#if defined(MOELAB_EMU) && defined(MOELAB_PLANT_MMA_LAYOUT)   // negative control (tests only)
+          const uint32_t t = a[i][1];
+          a[i][1] = a[i][2];
+          a[i][2] = t;
+#endif
         }
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
@@ -643,7 +649,7 @@ fe_combine(const float* __restrict__ y, int64_t ldy, const float* __restrict__ w
         uint2 pk;
         pk.x = pack2<Fmt::kBF16>(acc[0], acc[1]);
         pk.y = pack2<Fmt::kBF16>(acc[2], acc[3]);
-        *reinterpret_cast<uint2*>(o) = pk;
+        st_vec(reinterpret_cast<uint2*>(o), pk);
       } else {
         o[0] = f32_bf16(acc[0]);
       }
@@ -741,7 +747,8 @@ int launch_gemm(int q, FeGemm g, bool vec, const int32_t* small, const int32_t* 
     g.unit_rows = tb;
     g.n_tiles = cdiv(g.N, kSmallCols);
     g.work = b.small * g.n_tiles;
-    const unsigned blocks = unsigned(g.work < kMaxGrid ? g.work : kMaxGrid);
+    const int64_t cap = MOELAB_GRID_CAP(kMaxGrid);
+    const unsigned blocks = unsigned(g.work < cap ? g.work : cap);
     switch (q) {
       case kFeBF16: launch_small<kFeBF16>(g, tb, vec, blocks, s); break;
       case kFeFP8: launch_small<kFeFP8>(g, tb, vec, blocks, s); break;
@@ -755,7 +762,8 @@ int launch_gemm(int q, FeGemm g, bool vec, const int32_t* small, const int32_t* 
     g.unit_rows = kFeTileM;
     g.n_tiles = cdiv(g.N, kFeTileN);
     g.work = b.tiled * g.n_tiles;
-    const unsigned blocks = unsigned(g.work < kMaxGrid ? g.work : kMaxGrid);
+    const int64_t cap = MOELAB_GRID_CAP(kMaxGrid);
+    const unsigned blocks = unsigned(g.work < cap ? g.work : cap);
     switch (q) {
       case kFeBF16: launch_tiled<kFeBF16>(g, vec, blocks, s); break;
       case kFeFP8: launch_tiled<kFeFP8>(g, vec, blocks, s); break;
@@ -860,8 +868,9 @@ int fused_experts_launch(const FusedExpertsArgs& a, Stream s) {
     uint16_t* xg = reinterpret_cast<uint16_t*>(y);
     const int64_t ldg = up(a.H, 8);
     int64_t bx = cdiv(ldg, kAuxThreads);
-    if (bx > 64) bx = 64;
-    const int64_t by = R < 65535 ? R : 65535;
+    const int64_t cx = MOELAB_GRID_CAP(64), cy = MOELAB_GRID_CAP(65535);
+    if (bx > cx) bx = cx;
+    const int64_t by = R < cy ? R : cy;
     MOELAB_LAUNCH(fe_gather_weighted, dim3(unsigned(bx), unsigned(by)), dim3(kAuxThreads), 0, s,
                   static_cast<const uint16_t*>(a.x), a.ldx, a.topk_weights, a.ldw_t, a.ldw_k, src_row, offsets, a.E,
                   a.K, a.H, xg, ldg, R);
@@ -882,8 +891,9 @@ int fused_experts_launch(const FusedExpertsArgs& a, Stream s) {
   // 4. Activation: h -> a (bf16).
   {
     int64_t bx = cdiv(a.I, kAuxThreads);
-    if (bx > 64) bx = 64;
-    const int64_t by = R < 65535 ? R : 65535;
+    const int64_t cx = MOELAB_GRID_CAP(64), cy = MOELAB_GRID_CAP(65535);
+    if (bx > cx) bx = cx;
+    const int64_t by = R < cy ? R : cy;
     MOELAB_LAUNCH(fe_act, dim3(unsigned(bx), unsigned(by)), dim3(kAuxThreads), 0, s, h, l.ldh, act, l.lda, offsets,
                   a.E, a.I, a.activation, a.alpha, a.limit, R);
     MOELAB_GPU_LAUNCHED();
@@ -914,8 +924,9 @@ int fused_experts_launch(const FusedExpertsArgs& a, Stream s) {
     const bool vec = a.H % 4 == 0 && (reinterpret_cast<uintptr_t>(a.out) & 7u) == 0;
     const int64_t chunks = vec ? a.H / 4 : a.H;
     int64_t bx = cdiv(chunks, kAuxThreads);
-    if (bx > 1024) bx = 1024;
-    const dim3 grid(unsigned(bx), unsigned(a.T < 65535 ? a.T : 65535));
+    const int64_t cx = MOELAB_GRID_CAP(1024), cy = MOELAB_GRID_CAP(65535);
+    if (bx > cx) bx = cx;
+    const dim3 grid(unsigned(bx), unsigned(a.T < cy ? a.T : cy));
     if (vec)
       MOELAB_LAUNCH(fe_combine<true>, grid, dim3(kAuxThreads), 0, s, y, l.ldy, a.topk_weights, a.ldw_t, a.ldw_k,
                     dst_pos, a.T, a.K, a.H, a.out, a.apply_router_weight_on_input);

@@ -239,7 +239,7 @@ __global__ void __launch_bounds__(256, 1) permute_rows(const char* __restrict__ 
     const int32_t r = src_row[p];
     const V* s = r >= 0 ? src + int64_t(r / K) * ld_units : nullptr;
     V* o = out + p * vpr;
-    for (int64_t v = v0; v < vpr; v += vstep) o[v] = s != nullptr ? s[v] : V{};
+    for (int64_t v = v0; v < vpr; v += vstep) st_vec(o + v, s != nullptr ? ld_vec(s + v) : V{});
   }
 }
 
@@ -247,8 +247,9 @@ template <typename V>
 int launch_rows(const PermuteArgs& a, Stream s) {
   const int64_t vpr = a.row_bytes / int64_t(sizeof(V));
   int64_t bx = (vpr + 255) / 256;
-  if (bx > 1024) bx = 1024;
-  const int64_t by = a.capacity < 65535 ? a.capacity : 65535;
+  const int64_t cx = MOELAB_GRID_CAP(1024), cy = MOELAB_GRID_CAP(65535);
+  if (bx > cx) bx = cx;
+  const int64_t by = a.capacity < cy ? a.capacity : cy;
   MOELAB_LAUNCH(permute_rows<V>, dim3(unsigned(bx), unsigned(by)), dim3(256), 0, s, static_cast<const char*>(a.hidden),
                 a.ld_bytes / int64_t(sizeof(V)), static_cast<V*>(a.hidden_out), a.src_row, int32_t(a.K), vpr,
                 a.capacity);
@@ -326,8 +327,9 @@ int launch_unpermute(const UnpermuteArgs& a, Stream s) {
   const bool vec = (m & 15u) == 0;
   const int64_t chunks = vec ? a.H / NE : a.H;
   int64_t bx = (chunks + 255) / 256;
-  if (bx > 1024) bx = 1024;
-  const dim3 grid(unsigned(bx), unsigned(a.T < 65535 ? a.T : 65535));
+  const int64_t cx = MOELAB_GRID_CAP(1024), cy = MOELAB_GRID_CAP(65535);
+  if (bx > cx) bx = cx;
+  const dim3 grid(unsigned(bx), unsigned(a.T < cy ? a.T : cy));
   if (vec) MOELAB_LAUNCH((unpermute_kernel<F, true>), grid, dim3(256), 0, s, a, chunks);
   else MOELAB_LAUNCH((unpermute_kernel<F, false>), grid, dim3(256), 0, s, a, chunks);
   MOELAB_GPU_LAUNCHED();

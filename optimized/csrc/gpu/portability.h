@@ -54,15 +54,32 @@ using lanemask_t = unsigned int;
 constexpr int kLogWarp = kWarp == 64 ? 6 : 5;
 static_assert((1 << kLogWarp) == kWarp, "warp size must be a power of two");
 
+// The emulator matches the lanes of a warp collective by their source location (emu/emu.h):
+// in its builds every collective wrapper below takes the caller's file and line as defaulted
+// trailing arguments and hands them on; elsewhere these macros are empty.
+#if defined(MOELAB_EMU)
+#define MOELAB_SITE_DECL , const char* site_file_ = __builtin_FILE(), int site_line_ = __builtin_LINE()
+#define MOELAB_SITE_DECL1 const char* site_file_ = __builtin_FILE(), int site_line_ = __builtin_LINE()
+#define MOELAB_SITE_ARG , site_file_, site_line_
+#define MOELAB_SITE_ARG1 site_file_, site_line_
+#define MOELAB_WAVE_BARRIER() ::moelab::emu::wave_barrier(site_file_, site_line_)
+#else
+#define MOELAB_SITE_DECL
+#define MOELAB_SITE_DECL1
+#define MOELAB_SITE_ARG
+#define MOELAB_SITE_ARG1
+#define MOELAB_WAVE_BARRIER() __builtin_amdgcn_wave_barrier()
+#endif
+
 // ------------------------------------------------------------------ lanes and warps
 MOELAB_DEV int lane_id() { return int(threadIdx.x) & (kWarp - 1); }   // 1-D blocks only
 MOELAB_DEV int warp_id() { return int(threadIdx.x) >> kLogWarp; }
 
-MOELAB_DEV lanemask_t ballot(bool p) {
+MOELAB_DEV lanemask_t ballot(bool p MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return __ballot(p);
+  return __ballot(p MOELAB_SITE_ARG);
 #else
-  return __ballot_sync(0xffffffffu, p);
+  return __ballot_sync(0xffffffffu, p MOELAB_SITE_ARG);
 #endif
 }
 
@@ -86,64 +103,78 @@ MOELAB_DEV int lowest_lane(lanemask_t m) {
 #endif
 }
 
-MOELAB_DEV void warp_sync() {
+MOELAB_DEV void warp_sync(MOELAB_SITE_DECL1) {
 #if MOELAB_HIP
   __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
-  __builtin_amdgcn_wave_barrier();
+  MOELAB_WAVE_BARRIER();
   __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
 #else
-  __syncwarp();
+  __syncwarp(MOELAB_SITE_ARG1);
 #endif
 }
 
 // ------------------------------------------------------------------------- shuffles
 // 32-bit types directly; 64-bit as two 32-bit halves (portable on every HIP version).
-MOELAB_DEV uint32_t shfl_xor(uint32_t v, int m) {
+MOELAB_DEV uint32_t shfl_xor(uint32_t v, int m MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl_xor(int(v), m));
+  return uint32_t(__shfl_xor(int(v), m MOELAB_SITE_ARG));
 #else
-  return __shfl_xor_sync(0xffffffffu, v, m);
+  return __shfl_xor_sync(0xffffffffu, v, m MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV uint32_t shfl_down(uint32_t v, int d) {
+MOELAB_DEV uint32_t shfl_down(uint32_t v, int d MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl_down(int(v), unsigned(d)));
+  return uint32_t(__shfl_down(int(v), unsigned(d) MOELAB_SITE_ARG));
 #else
-  return __shfl_down_sync(0xffffffffu, v, unsigned(d));
+  return __shfl_down_sync(0xffffffffu, v, unsigned(d) MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV uint32_t shfl_idx(uint32_t v, int src) {
+MOELAB_DEV uint32_t shfl_idx(uint32_t v, int src MOELAB_SITE_DECL) {
 #if MOELAB_HIP
-  return uint32_t(__shfl(int(v), src));
+  return uint32_t(__shfl(int(v), src MOELAB_SITE_ARG));
 #else
-  return __shfl_sync(0xffffffffu, v, src);
+  return __shfl_sync(0xffffffffu, v, src MOELAB_SITE_ARG);
 #endif
 }
-MOELAB_DEV int32_t shfl_xor(int32_t v, int m) { return int32_t(shfl_xor(uint32_t(v), m)); }
-MOELAB_DEV int32_t shfl_down(int32_t v, int d) { return int32_t(shfl_down(uint32_t(v), d)); }
-MOELAB_DEV int32_t shfl_idx(int32_t v, int s) { return int32_t(shfl_idx(uint32_t(v), s)); }
-MOELAB_DEV float shfl_xor(float v, int m) { return __uint_as_float(shfl_xor(__float_as_uint(v), m)); }
-MOELAB_DEV float shfl_down(float v, int d) { return __uint_as_float(shfl_down(__float_as_uint(v), d)); }
-MOELAB_DEV float shfl_idx(float v, int s) { return __uint_as_float(shfl_idx(__float_as_uint(v), s)); }
-MOELAB_DEV uint64_t shfl_xor(uint64_t v, int m) {
-  uint32_t lo = shfl_xor(uint32_t(v), m), hi = shfl_xor(uint32_t(v >> 32), m);
+MOELAB_DEV int32_t shfl_xor(int32_t v, int m MOELAB_SITE_DECL) { return int32_t(shfl_xor(uint32_t(v), m MOELAB_SITE_ARG)); }
+MOELAB_DEV int32_t shfl_down(int32_t v, int d MOELAB_SITE_DECL) { return int32_t(shfl_down(uint32_t(v), d MOELAB_SITE_ARG)); }
+MOELAB_DEV int32_t shfl_idx(int32_t v, int s MOELAB_SITE_DECL) { return int32_t(shfl_idx(uint32_t(v), s MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_xor(float v, int m MOELAB_SITE_DECL) { return __uint_as_float(shfl_xor(__float_as_uint(v), m MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_down(float v, int d MOELAB_SITE_DECL) { return __uint_as_float(shfl_down(__float_as_uint(v), d MOELAB_SITE_ARG)); }
+MOELAB_DEV float shfl_idx(float v, int s MOELAB_SITE_DECL) { return __uint_as_float(shfl_idx(__float_as_uint(v), s MOELAB_SITE_ARG)); }
+MOELAB_DEV uint64_t shfl_xor(uint64_t v, int m MOELAB_SITE_DECL) {
+  uint32_t lo = shfl_xor(uint32_t(v), m MOELAB_SITE_ARG), hi = shfl_xor(uint32_t(v >> 32), m MOELAB_SITE_ARG);
   return (uint64_t(hi) << 32) | lo;
 }
-MOELAB_DEV uint64_t shfl_idx(uint64_t v, int s) {
-  uint32_t lo = shfl_idx(uint32_t(v), s), hi = shfl_idx(uint32_t(v >> 32), s);
+MOELAB_DEV uint64_t shfl_idx(uint64_t v, int s MOELAB_SITE_DECL) {
+  uint32_t lo = shfl_idx(uint32_t(v), s MOELAB_SITE_ARG), hi = shfl_idx(uint32_t(v >> 32), s MOELAB_SITE_ARG);
   return (uint64_t(hi) << 32) | lo;
 }
-MOELAB_DEV double shfl_xor(double v, int m) {
-  return __longlong_as_double(static_cast<long long>(shfl_xor(static_cast<uint64_t>(__double_as_longlong(v)), m)));
+MOELAB_DEV double shfl_xor(double v, int m MOELAB_SITE_DECL) {
+  return __longlong_as_double(static_cast<long long>(shfl_xor(static_cast<uint64_t>(__double_as_longlong(v)), m MOELAB_SITE_ARG)));
 }
-MOELAB_DEV double shfl_idx(double v, int s) {
-  return __longlong_as_double(static_cast<long long>(shfl_idx(static_cast<uint64_t>(__double_as_longlong(v)), s)));
+MOELAB_DEV double shfl_idx(double v, int s MOELAB_SITE_DECL) {
+  return __longlong_as_double(static_cast<long long>(shfl_idx(static_cast<uint64_t>(__double_as_longlong(v)), s MOELAB_SITE_ARG)));
 }
 
 // ---------------------------------------------------------------- 16-byte vectors
+// ld_vec / st_vec: one naturally aligned vector access of V (uint4, uint2, or a scalar); the
+// emulator checks the alignment (a misaligned vector access faults on a GPU).
+template <typename V> MOELAB_DEV V ld_vec(const V* p) {
+#if defined(MOELAB_EMU)
+  ::moelab::emu::vector_access(p, sizeof(V), false);
+#endif
+  return *p;
+}
+template <typename V> MOELAB_DEV void st_vec(V* p, V v) {
+#if defined(MOELAB_EMU)
+  ::moelab::emu::vector_access(p, sizeof(V), true);
+#endif
+  *p = v;
+}
 using vec16 = uint4;   // 16 bytes: 8 bf16/f16, 4 f32
-MOELAB_DEV vec16 ld16(const void* p) { return *static_cast<const vec16*>(p); }
-MOELAB_DEV void st16(void* p, vec16 v) { *static_cast<vec16*>(p) = v; }
+MOELAB_DEV vec16 ld16(const void* p) { return ld_vec(static_cast<const vec16*>(p)); }
+MOELAB_DEV void st16(void* p, vec16 v) { st_vec(static_cast<vec16*>(p), v); }
 MOELAB_HD bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // ----------------------------------------------------------- number formats
@@ -246,7 +277,9 @@ MOELAB_DEV float div_rn(float a, float b) {
 // one cvt.rn.bf16.f32; elsewhere the integer rounding of f32_bf16. The same value for every
 // input; only a NaN's payload may differ (the hardware returns the canonical NaN).
 MOELAB_DEV float round_bf16(float f) {
-#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#if defined(MOELAB_EMU) && MOELAB_EMU_MMA
+  return __uint_as_float(uint32_t(::moelab::emu::cvt_rn_bf16_f32(f)) << 16);   // the emulated cvt
+#elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   unsigned short h;
   asm("cvt.rn.bf16.f32 %0, %1;" : "=h"(h) : "f"(f));
   return __uint_as_float(uint32_t(h) << 16);
@@ -264,8 +297,18 @@ MOELAB_DEV float round_bf16(float f) {
 //   (g = lane / 4, c = lane % 4; the lower k of a pair in the low 16 bits).
 // The order in which the hardware adds the 16 products into d is not specified: results are
 // deterministic on one GPU model but not the order of a scalar loop. 0 on HIP, in the
-// emulator and in host passes, where kernels take their SIMT branch.
-#if !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+// emulator's default builds and in host passes, where kernels take their SIMT branch. The
+// emulator's MMA build (MOELAB_EMU_MMA, 32-lane warps) runs this branch with the instruction
+// emulated (emu/emu.h: the same fragment layout).
+#if defined(MOELAB_EMU) && MOELAB_EMU_MMA
+#if MOELAB_EMU_WARP != 32
+#error "MOELAB_EMU_MMA emulates a CUDA instruction: 32-lane warps only"
+#endif
+#define MOELAB_HAS_MMA_BF16 1
+MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2] MOELAB_SITE_DECL) {
+  ::moelab::emu::mma_m16n8k16_bf16(d, a, b, site_file_, site_line_);
+}
+#elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 #define MOELAB_HAS_MMA_BF16 1
 MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(
@@ -284,6 +327,11 @@ MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint
 // csrc/gpu/emu/, where a launch runs the threads as fibers).
 #ifndef MOELAB_LAUNCH
 #define MOELAB_LAUNCH(kernel, grid, block, smem, stream, ...) kernel<<<(grid), (block), (smem), (stream)>>>(__VA_ARGS__)
+#endif
+// A launcher's cap on a grid dimension, for kernels with grid-stride loops (the emulator can
+// lower it, so that tests reach those loops with small inputs).
+#ifndef MOELAB_GRID_CAP
+#define MOELAB_GRID_CAP(c) (c)
 #endif
 // Dynamically sized shared memory (the launch's smem bytes).
 #ifndef MOELAB_EXTERN_SHARED

@@ -324,7 +324,7 @@ route_block_kernel(RouteArgs a) {
   __shared__ float red_f[kBlockWarps];
   __shared__ uint32_t g_top[kBlockWarps][kRouteMaxGroups][2];
   __shared__ uint64_t g_comp[kRouteMaxGroups];
-  __shared__ int bad_flag;
+  __shared__ int nan_w[kBlockWarps];
 
   const int64_t t = blockIdx.x;
   const int tid = threadIdx.x, lane = lane_id(), warp = warp_id(), E = a.E, K = a.K;
@@ -346,15 +346,22 @@ route_block_kernel(RouteArgs a) {
         nan = nan || x[i] != x[i];
         m = x[i] == x[i] ? fmaxf(m, x[i]) : m;
       }
-    if (tid == 0) bad_flag = 0;
-    __syncthreads();
-    if (nan) bad_flag = 1;
+    // A NaN anywhere in the row: one flag per warp (a shared flag stored by every thread that
+    // saw a NaN would be a write/write race, benign or not).
+    const bool warp_nan = ballot(nan) != 0;
     m = warp_maxf(m);
-    if (lane == 0) red_f[warp] = m;
+    if (lane == 0) {
+      red_f[warp] = m;
+      nan_w[warp] = warp_nan ? 1 : 0;
+    }
     __syncthreads();
     m = red_f[0];
-    for (int w = 1; w < kBlockWarps; ++w) m = fmaxf(m, red_f[w]);
-    sm.bad = bad_flag != 0 || !(m > __int_as_float(int(0xff800000u)) && m < __int_as_float(0x7f800000));
+    bool any_nan = nan_w[0] != 0;
+    for (int w = 1; w < kBlockWarps; ++w) {
+      m = fmaxf(m, red_f[w]);
+      any_nan = any_nan || nan_w[w] != 0;
+    }
+    sm.bad = any_nan || !(m > __int_as_float(int(0xff800000u)) && m < __int_as_float(0x7f800000));
     sm.m = double(m);
     if (!sm.bad) {
       double s = 0.0;

@@ -4,6 +4,7 @@
 #include <torch/extension.h>
 
 #include "../launch.h"
+#include "../portability.h"
 #if MOELAB_HIP
 #include "../../hip/skinny_wave64.h"
 #endif
@@ -194,6 +195,78 @@ py::tuple fused_experts(const at::Tensor& x, const at::Tensor& w13, const at::Te
 void moelab_emu_sanitizer_controls(pybind11::module& m);   // sanitizer_controls.cpp
 #endif
 
+// The rules' negative controls (rule_controls.cpp), each run with plant = 0 (must pass) or a
+// planted bug (must raise).
+namespace moelab::emu::controls {
+void war(int plant, int* out);
+void warp_order(int plant, int* out);
+void uninit_static(int plant, float* out);
+void uninit_dynamic(int plant, float* out);
+void vector_load(const char* in, int off, int size, int where, unsigned* out);
+void divergent(int plant, int* out);
+void chain(int blocks, int* out);
+bool mma(const uint16_t* a, const uint16_t* w, int plant, float* d);
+void round_bf16_values(const float* x, int n, float* y);
+}  // namespace moelab::emu::controls
+
+namespace {
+namespace ctl = moelab::emu::controls;
+
+void rule_controls(pybind11::module& m) {
+  m.def("control_war", [](int64_t plant) {
+    at::Tensor out = at::zeros({128}, at::kInt);
+    ctl::war(int(plant), out.data_ptr<int32_t>());
+    return out;
+  });
+  m.def("control_warp_order", [](int64_t plant) {
+    at::Tensor out = at::zeros({gpu::warp_size()}, at::kInt);
+    ctl::warp_order(int(plant), out.data_ptr<int32_t>());
+    return out;
+  });
+  m.def("control_uninit", [](bool dynamic, int64_t plant) {
+    at::Tensor out = at::zeros({2, 128}, at::kFloat);
+    if (dynamic) ctl::uninit_dynamic(int(plant), out.data_ptr<float>());
+    else ctl::uninit_static(int(plant), out.data_ptr<float>());
+    return out;
+  });
+  m.def("control_vector_load", [](int64_t off, int64_t size, bool shared) {
+    at::Tensor in = at::arange(32, at::kInt);   // 128 bytes, 64-byte aligned by torch's allocator
+    at::Tensor out = at::zeros({1}, at::kInt);
+    ctl::vector_load(static_cast<const char*>(in.data_ptr()), int(off), int(size), shared ? 1 : 0,
+                     reinterpret_cast<unsigned*>(out.data_ptr<int32_t>()));
+    return out.item<int>();
+  });
+  m.def("control_divergent", [](int64_t plant) {
+    at::Tensor out = at::zeros({2 * gpu::warp_size()}, at::kInt);
+    ctl::divergent(int(plant), out.data_ptr<int32_t>());
+    return out;
+  });
+  m.def("control_chain", [](int64_t blocks) {
+    at::Tensor out = at::zeros({blocks}, at::kInt);
+    ctl::chain(int(blocks), out.data_ptr<int32_t>());
+    return out;
+  });
+  m.def("control_mma", [](const at::Tensor& a, const at::Tensor& w, int64_t plant) -> py::object {
+    const at::Tensor ac = a.contiguous(), wc = w.contiguous();
+    at::Tensor d = at::full({16, 8}, std::numeric_limits<double>::quiet_NaN(), at::kFloat);
+    if (!ctl::mma(reinterpret_cast<const uint16_t*>(ac.data_ptr()), reinterpret_cast<const uint16_t*>(wc.data_ptr()),
+                  int(plant), d.data_ptr<float>()))
+      return py::none();
+    return py::cast(d);
+  });
+  m.def("round_bf16", [](const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous().to(at::kFloat);
+    at::Tensor y = at::empty_like(xc);
+    ctl::round_bf16_values(xc.data_ptr<float>(), int(xc.numel()), y.data_ptr<float>());
+    return y;
+  });
+  m.def("set_grid_cap", &moelab::emu::set_grid_cap);
+  m.def("grid_cap_hits", &moelab::emu::grid_cap_hits);
+  m.def("launch_log", []() { return moelab::emu::launch_log(); });
+  m.def("clear_launch_log", &moelab::emu::clear_launch_log);
+}
+}  // namespace
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("warp_size", &gpu::warp_size);
   m.def("route", &route, py::arg("logits"), py::arg("K"), py::arg("method"), py::arg("bias"), py::arg("n_group"),
@@ -211,6 +284,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("ws_bytes"), py::arg("weighted_input") = false);
   m.def("fused_experts_workspace_bytes", &gpu::fused_experts_workspace_bytes);
   m.attr("has_wave64") = bool(MOELAB_HIP);
+  m.attr("has_mma") = bool(MOELAB_HAS_MMA_BF16);
+  m.attr("rules") = bool(MOELAB_EMU_RULES);
+  rule_controls(m);
 #if MOELAB_SANITIZE
   moelab_emu_sanitizer_controls(m);   // the negative controls, sanitized build only
 #endif
