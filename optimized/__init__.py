@@ -18,7 +18,7 @@ from .router_gemm import router_gemm  # noqa: E402,F401
 from .route import route  # noqa: E402,F401
 from .permute import Permuted, PermuteScratch, permute, unpermute  # noqa: E402,F401
 from .gate_gemm import FusedGate, fused_gate_gemm, skinny_gemm, unquantized_gemm  # noqa: E402,F401
-from .fused_experts import PackedMoEWeights, fused_experts, prepack_moe_weights  # noqa: E402,F401
+from .fused_experts import PackedMoEWeights, fused_experts, fused_experts_rows, prepack_moe_weights  # noqa: E402,F401
 
 
 def backend_info() -> dict[str, str]:

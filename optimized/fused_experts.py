@@ -43,7 +43,7 @@ from . import dispatch as _dispatch
 from . import gpu
 from . import pack_cache as _pack_cache
 
-__all__ = ["fused_experts", "prepack_moe_weights", "PackedMoEWeights"]
+__all__ = ["fused_experts", "fused_experts_rows", "prepack_moe_weights", "PackedMoEWeights"]
 
 
 class PackedMoEWeights:
@@ -82,6 +82,17 @@ def _fused_experts_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I,
                 ("w2_scale", w2_scale, None), ("w13_slow", w13_slow, None), ("w2_slow", w2_slow, None),
                 ("w13_bias", w13_bias, 2), ("w2_bias", w2_bias, 2))
     return x.new_empty((x.shape[0], x.shape[1]))
+
+
+@torch.library.register_fake("moelab::fused_experts_rows")
+def _fused_experts_rows_fake(x, w13, w2, topk_weights, topk_ids, quant, packed, E, I, w13_scale, w2_scale,
+                             w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha, limit, policy, m_cross,
+                             apply_router_weight_on_input=False, y_init=None):
+    _fake.check("fused_experts_rows", ("x", x, 2), ("w13", w13, None), ("w2", w2, None),
+                ("topk_weights", topk_weights, 2), ("topk_ids", topk_ids, 2), ("w13_scale", w13_scale, None),
+                ("w2_scale", w2_scale, None), ("w13_slow", w13_slow, None), ("w2_slow", w2_slow, None),
+                ("w13_bias", w13_bias, 2), ("w2_bias", w2_bias, 2), ("y_init", y_init, 2))
+    return x.new_empty((x.shape[0] * topk_ids.shape[1], x.shape[1]), dtype=torch.float32)
 
 
 @torch.library.register_fake("moelab::prepack_moe_weight")
@@ -191,6 +202,45 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
     like the reference, plus for a PackedMoEWeights that does not match quant / H / E.
     The kernel choice per expert block is `optimized.dispatch.explain("fused_experts", ...)`.
     """
+    return _run(False, None, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias,
+                activation, alpha, limit, dispatch, apply_router_weight_on_input)
+
+
+def fused_experts_rows(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids: torch.Tensor, *,
+                       quant: str, w13_scale: Optional[torch.Tensor] = None,
+                       w2_scale: Optional[torch.Tensor] = None, w13_bias: Optional[torch.Tensor] = None,
+                       w2_bias: Optional[torch.Tensor] = None, activation: str = "silu", alpha: float = 1.702,
+                       limit: float = 7.0, dispatch: str = "auto", apply_router_weight_on_input: bool = False,
+                       y_init: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """fused_experts without the combine: the per-slot expert outputs, for the parallel layer.
+
+    Returns y [T*K, H] float32, row r = t*K + j: slot j's expert output for token t exactly as
+    fused_experts computes it before its combine (steps 1-3 of SPEC 5, + w2_bias; unweighted,
+    and with apply_router_weight_on_input the expert input is the weighted row), 0 for a dropped
+    slot (id -1). So fused_experts(...) == bf16(unpermute(y, w, r or -1)) bit for bit.
+    y_init [T*K, H] float32 (optional): GEMM2's f32 accumulators of slot r start from y_init[r]
+    instead of +0. With w13 / w2 / biases cut to a contiguous slice of I (whole 32-element
+    blocks), chaining the slices (y_init = the previous slice's y, w2_bias only on the last)
+    gives the unsliced y bit for bit: the exact tensor-parallel reduction of optimized/parallel.py.
+    CPU only. Raises ValueError "fused_experts_rows: argument 'y_init' ..." for a bad y_init,
+    otherwise fused_experts' errors.
+    """
+    if x.device.type != "cpu":
+        fail("fused_experts_rows", "x", f"must be a CPU tensor (the rows op is CPU-only), got {x.device}")
+    if y_init is not None:
+        T = x.shape[0] if x.dim() == 2 else -1
+        K = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
+        H = x.shape[1] if x.dim() == 2 else -1
+        check_tensor("fused_experts_rows", "y_init", y_init, dtypes=(torch.float32,), shape=(T * K, H),
+                     device=x.device)
+        y_init = y_init.contiguous()
+    return _run(True, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias,
+                activation, alpha, limit, dispatch, apply_router_weight_on_input)
+
+
+def _run(rows, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias,
+         activation, alpha, limit, dispatch, apply_router_weight_on_input):
+    """fused_experts (rows False) or fused_experts_rows (rows True) after the same checks."""
     packed = isinstance(w13, PackedMoEWeights)
     if packed:
         E, I = _check_packed(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
@@ -205,6 +255,8 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
                                    apply_router_weight_on_input)
         if x.device.type not in ("cpu", "cuda"):
             fail("fused_experts", "x", f"must be a CPU or CUDA/ROCm tensor (no moelab kernel for {x.device.type})")
+        if rows and x.device.type != "cpu":
+            fail("fused_experts_rows", "x", f"must be a CPU tensor, got {x.device}")
         if x.device.type == "cuda" and not gpu.available():   # no GPU extension: the reference
             from reference.fused_experts import fused_experts as reference_fused_experts
             return reference_fused_experts(x, w13, w2, topk_weights, topk_ids, quant=quant, w13_scale=w13_scale,
@@ -226,6 +278,11 @@ def fused_experts(x: torch.Tensor, w13, w2, topk_weights: torch.Tensor, topk_ids
     code, m_cross, _ = plan(T, K, E, quant, dispatch)
     if T > 0 and x.stride(1) != 1:
         x = x.contiguous()
+    if rows:
+        return torch.ops.moelab.fused_experts_rows(x, args[0], args[1], topk_weights, topk_ids, quant, packed, E, I,
+                                                   w13_scale, w2_scale, slow13, slow2, w13_bias, w2_bias,
+                                                   activation, float(alpha), float(limit), code, m_cross,
+                                                   apply_router_weight_on_input, y_init)
     return torch.ops.moelab.fused_experts(x, args[0], args[1], topk_weights, topk_ids, quant, packed, E, I,
                                           w13_scale, w2_scale, slow13, slow2, w13_bias, w2_bias,
                                           activation, float(alpha), float(limit), code, m_cross,

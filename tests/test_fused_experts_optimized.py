@@ -701,6 +701,13 @@ def test_opcheck():
     no_schema = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
     torch.library.opcheck(torch.ops.moelab.fused_experts.default, tuple(_direct_args("fp8_block", False)),
                           test_utils=no_schema)
+    # fused_experts_rows (the parallel layer's op), with and without an accumulator start
+    for quant, packed in (("mxfp4", False), ("bf16", False), ("fp8_block", True)):
+        args = tuple(_direct_args(quant, packed))
+        rows = args[0].shape[0] * args[4].shape[1]
+        y0 = torch.randn(rows, args[0].shape[1])
+        torch.library.opcheck(torch.ops.moelab.fused_experts_rows.default, args)
+        torch.library.opcheck(torch.ops.moelab.fused_experts_rows.default, args + (False, y0))
     for quant in QUANTS:
         w13, w2, s13, s2 = make_weights(quant, 2, 64, 32)
         torch.library.opcheck(torch.ops.moelab.prepack_moe_weight.default, (w13, s13, quant),

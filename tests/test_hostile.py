@@ -263,7 +263,19 @@ def pack_mx():
     return _pack_experts(fe_mx)
 
 
+def fe_rows():
+    """fused_experts_rows (the parallel layer's op): fused_experts' arguments plus a y_init."""
+    kw = fe_oai()
+    kw["y_init"] = torch.randn(kw["topk_ids"].numel(), H_F, generator=_gen(9))
+    return kw
+
+
+def fe_rows_fp8():
+    return {**fe_fp8(), "y_init": None}
+
+
 BASES = {
+    "fused_experts_rows": [fe_rows, fe_rows_fp8],
     "route": [route_base, route_grouped, route_softmax, route_grouped_softmax, route_softmax_bias],
     "router_gemm": [router_gemm_base],
     "skinny_gemm": [skinny_base],
@@ -664,6 +676,17 @@ bad("fused_experts", fe_mx, "w13_scale", "missing", w13_scale=None)
 bad("fused_experts", fe_base, "w13_slow", "given-standard", w13_slow=torch.zeros(E_F, 1, dtype=torch.uint8))
 bad("fused_experts", fe_packed, "w2_slow", "missing", w2_slow=None)
 bad("fused_experts", fe_packed, "w13", "standard-weights-as-packed", w13=lambda kw: fe_base()["w13"])
+
+# ---- fused_experts_rows: every fused_experts case again (its checks name the rows op), plus y_init
+for _p in [c for c in CASES if c.values[0] == "fused_experts"]:
+    _op, _arg, _make = _p.values
+    CASES.append(pytest.param("fused_experts_rows", _arg, _make, id=_p.id.replace("fused_experts-", "fused_experts_rows-", 1)))
+for d in dtypes_except(torch.float32):
+    bad("fused_experts_rows", fe_rows, "y_init", f"dtype-{d}", y_init=recast("y_init", d))
+bad("fused_experts_rows", fe_rows, "y_init", "rows-short", y_init=lambda kw: kw["y_init"][:-1])
+bad("fused_experts_rows", fe_rows, "y_init", "rank1", y_init=lambda kw: kw["y_init"][0])
+bad("fused_experts_rows", fe_rows, "y_init", "H-short", y_init=lambda kw: kw["y_init"][:, :-1].contiguous())
+bad("fused_experts_rows", fe_rows, "y_init", "stepped", y_init=lambda kw: stepped(kw["y_init"]))
 bad("fused_experts", fe_base, "w13", "packed-weights-as-standard", w13=lambda kw: fe_packed()["w13"])
 # strings and scalars
 for q in ("int4", "", "BF16", "fp8"):

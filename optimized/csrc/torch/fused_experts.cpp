@@ -24,6 +24,7 @@ namespace moelab {
 namespace {
 
 constexpr const char* kOp = "fused_experts";
+constexpr const char* kDefaultOp = kOp;   // the checks below also serve fused_experts_rows
 constexpr const char* kPackOp = "prepack_moe_weight";
 
 int quant_code(c10::string_view q, const char* op) {
@@ -43,7 +44,7 @@ void check_shape(const at::Tensor& t, const char* op, const char* arg, at::IntAr
 
 // The scales of one weight matrix [E][N][K] (standard layout, or packed for mxfp4).
 void check_scale(const c10::optional<at::Tensor>& s, int q, bool packed, int64_t E, int64_t N,
-                 int64_t K, const char* arg) {
+                 int64_t K, const char* arg, const char* kOp = kDefaultOp) {
   if (q == fe::kBF16) {
     MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for quant 'bf16'");
     return;
@@ -61,7 +62,8 @@ void check_scale(const c10::optional<at::Tensor>& s, int q, bool packed, int64_t
   }
 }
 
-void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N, int64_t K, const char* arg) {
+void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N, int64_t K, const char* arg,
+                  const char* kOp = kDefaultOp) {
   if (packed) {
     check_cpu(w, kOp, arg, 2, {at::kByte});
     check_shape(w, kOp, arg, {E, fe::expert_bytes(q, N, K)});
@@ -71,7 +73,8 @@ void check_weight(const at::Tensor& w, int q, bool packed, int64_t E, int64_t N,
   }
 }
 
-void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int64_t N, const char* arg) {
+void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int64_t N, const char* arg,
+                const char* kOp = kDefaultOp) {
   if (!packed) {
     MOELAB_CHECK(!s.has_value(), kOp, arg, "must be None for standard-layout weights");
     return;
@@ -81,7 +84,7 @@ void check_slow(const c10::optional<at::Tensor>& s, bool packed, int64_t E, int6
   check_shape(*s, kOp, arg, {E, fe::n_tiles(N)});
 }
 
-void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const char* arg) {
+void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const char* arg, const char* kOp = kDefaultOp) {
   if (!b.has_value()) return;
   check_cpu(*b, kOp, arg, 2, {at::kFloat, at::kBFloat16});
   check_shape(*b, kOp, arg, {E, N});
@@ -145,17 +148,21 @@ void run_gemm(const cpu::FeGemm& g, int64_t n_items) {
   });
 }
 
-at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
-                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
-                             c10::string_view quant, bool packed, int64_t E, int64_t I,
-                             const c10::optional<at::Tensor>& w13_scale,
-                             const c10::optional<at::Tensor>& w2_scale,
-                             const c10::optional<at::Tensor>& w13_slow,
-                             const c10::optional<at::Tensor>& w2_slow,
-                             const c10::optional<at::Tensor>& w13_bias,
-                             const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
-                             double alpha, double limit, int64_t policy, int64_t m_cross,
-                             bool apply_router_weight_on_input) {
+// rows = false: fused_experts (the combined [T, H] bf16). rows = true: fused_experts_rows, the
+// per-slot expert outputs y [T*K, H] f32 before the combine (row r = t*K + j; 0 for a dropped
+// slot), GEMM2's accumulators starting from y_init's row r when given (op kRowsOp's contract).
+at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at::Tensor>& y_init,
+                              const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                              const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                              c10::string_view quant, bool packed, int64_t E, int64_t I,
+                              const c10::optional<at::Tensor>& w13_scale,
+                              const c10::optional<at::Tensor>& w2_scale,
+                              const c10::optional<at::Tensor>& w13_slow,
+                              const c10::optional<at::Tensor>& w2_slow,
+                              const c10::optional<at::Tensor>& w13_bias,
+                              const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                              double alpha, double limit, int64_t policy, int64_t m_cross,
+                              bool apply_router_weight_on_input) {
   check_cpu(x, kOp, "x", 2, {at::kBFloat16}, /*contiguous=*/false);
   const int64_t T = x.size(0), H = x.size(1);
   MOELAB_CHECK(T == 0 || x.stride(1) == 1, kOp, "x", "must have unit stride along H");
@@ -169,14 +176,14 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
     MOELAB_CHECK(I % fe::kMxBlock == 0, kOp, "I", "must be a multiple of 32 for mxfp4, got I = ", I);
   }
   const int64_t N1 = 2 * I, K1 = H, N2 = H, K2 = I;
-  check_weight(w13, q, packed, E, N1, K1, "w13");
-  check_weight(w2, q, packed, E, N2, K2, "w2");
-  check_scale(w13_scale, q, packed, E, N1, K1, "w13_scale");
-  check_scale(w2_scale, q, packed, E, N2, K2, "w2_scale");
-  check_slow(w13_slow, packed, E, N1, "w13_slow");
-  check_slow(w2_slow, packed, E, N2, "w2_slow");
-  check_bias(w13_bias, E, N1, "w13_bias");
-  check_bias(w2_bias, E, N2, "w2_bias");
+  check_weight(w13, q, packed, E, N1, K1, "w13", kOp);
+  check_weight(w2, q, packed, E, N2, K2, "w2", kOp);
+  check_scale(w13_scale, q, packed, E, N1, K1, "w13_scale", kOp);
+  check_scale(w2_scale, q, packed, E, N2, K2, "w2_scale", kOp);
+  check_slow(w13_slow, packed, E, N1, "w13_slow", kOp);
+  check_slow(w2_slow, packed, E, N2, "w2_slow", kOp);
+  check_bias(w13_bias, E, N1, "w13_bias", kOp);
+  check_bias(w2_bias, E, N2, "w2_bias", kOp);
   check_cpu(topk_ids, kOp, "topk_ids", 2, {at::kInt}, /*contiguous=*/false);
   check_cpu(topk_weights, kOp, "topk_weights", 2, {at::kFloat}, /*contiguous=*/false);
   const int64_t K = topk_ids.size(1);
@@ -194,7 +201,12 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   MOELAB_CHECK(policy >= cpu::kFeAllTiny && policy <= cpu::kFePerBlock, kOp, "policy",
                "must be 0 (tiny), 1 (blocked) or 2 (per block), got ", policy);
 
-  if (T == 0) return at::zeros({T, H}, x.options());
+  if (rows && y_init.has_value()) {
+    check_cpu(*y_init, kOp, "y_init", 2, {at::kFloat});
+    check_shape(*y_init, kOp, "y_init", {T * K, H});
+  }
+  const auto rows_out = [&] { return at::zeros({T * K, H}, x.options().dtype(at::kFloat)); };
+  if (T == 0) return rows ? rows_out() : at::zeros({T, H}, x.options());
 
   // 1. Group rows by expert: the permute op's stable counting sort (validates the ids).
   const int64_t R = T * K;
@@ -207,7 +219,7 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   MOELAB_CHECK(rc != cpu::kPermuteBadId, kOp, "topk_ids", "holds ", bad, ", outside the valid range [-1, ", E, ")");
   TORCH_CHECK(rc == cpu::kPermuteOk, "moelab::fused_experts: internal error in the row grouping (", rc, ")");
   const int64_t P = offsets[size_t(E)];
-  if (P == 0) return at::zeros({T, H}, x.options());   // every slot dropped
+  if (P == 0) return rows ? rows_out() : at::zeros({T, H}, x.options());   // every slot dropped
 
   // Intermediates: xg [P, Hp] bf16, h [P, 2I] bf16, a [P, Ip] bf16, y [P, H] f32, out32 [T, H] f32.
   const int64_t Hp = fe::k2(H) * 2, Ip = fe::k2(I) * 2;
@@ -302,9 +314,26 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
   g2.out_bf16 = false;
   g2.out = yb;
   g2.ldo = N2;
+  if (rows && y_init.has_value()) {
+    // The accumulators start from y_init (grouped like y; the kernel reads each element of
+    // its rows before it writes it, so y is its own init buffer).
+    const float* ip = y_init->data_ptr<float>();
+    at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) std::memcpy(yb + p * N2, ip + int64_t(src_row[p]) * H, size_t(H) * 4);
+    });
+    g2.init = yb;
+  }
   const std::vector<int32_t> items2 = make_items(offsets, E, N2);
   g2.items = items2.data();
   run_gemm(g2, int64_t(items2.size() / 2));
+  if (rows) {   // y back to slot order; dropped slots stay 0
+    at::Tensor out = rows_out();
+    float* op = out.data_ptr<float>();
+    at::parallel_for(0, P, 16, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) std::memcpy(op + int64_t(src_row[p]) * H, yb + p * N2, size_t(H) * 4);
+    });
+    return out;
+  }
 
   // 6. Combine in f32, j ascending (the permute op's unpermute), then one bf16 rounding. With
   // apply_router_weight_on_input the sum is unweighted: every slot's weight reads the one 1.0f
@@ -322,6 +351,44 @@ at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const a
     });
   }
   return at::from_blob(ob, {T, H}, x.options().dtype(at::kFloat)).to(at::kBFloat16);
+}
+
+at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                             const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                             c10::string_view quant, bool packed, int64_t E, int64_t I,
+                             const c10::optional<at::Tensor>& w13_scale,
+                             const c10::optional<at::Tensor>& w2_scale,
+                             const c10::optional<at::Tensor>& w13_slow,
+                             const c10::optional<at::Tensor>& w2_slow,
+                             const c10::optional<at::Tensor>& w13_bias,
+                             const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                             double alpha, double limit, int64_t policy, int64_t m_cross,
+                             bool apply_router_weight_on_input) {
+  return fused_experts_impl(kOp, false, c10::nullopt, x, w13, w2, topk_weights, topk_ids, quant, packed, E, I,
+                            w13_scale, w2_scale, w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha,
+                            limit, policy, m_cross, apply_router_weight_on_input);
+}
+
+// fused_experts_rows: the same pipeline without the combine (docs/parallel.md): y [T*K, H] f32,
+// row r = t*K + j = slot j's expert output (unweighted; + w2_bias), 0 for a dropped slot. With
+// y_init [T*K, H] f32, GEMM2's f32 accumulators of slot r start from y_init[r] instead of +0:
+// a pass over a contiguous slice of I (whole k pairs) continues exactly the dp sequence of the
+// slices before it, so chaining the slices of a tensor-parallel split reproduces the
+// single-process y bit for bit (the bias belongs to the last slice only).
+at::Tensor fused_experts_rows_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
+                                  const at::Tensor& topk_weights, const at::Tensor& topk_ids,
+                                  c10::string_view quant, bool packed, int64_t E, int64_t I,
+                                  const c10::optional<at::Tensor>& w13_scale,
+                                  const c10::optional<at::Tensor>& w2_scale,
+                                  const c10::optional<at::Tensor>& w13_slow,
+                                  const c10::optional<at::Tensor>& w2_slow,
+                                  const c10::optional<at::Tensor>& w13_bias,
+                                  const c10::optional<at::Tensor>& w2_bias, c10::string_view activation,
+                                  double alpha, double limit, int64_t policy, int64_t m_cross,
+                                  bool apply_router_weight_on_input, const c10::optional<at::Tensor>& y_init) {
+  return fused_experts_impl("fused_experts_rows", true, y_init, x, w13, w2, topk_weights, topk_ids, quant, packed,
+                            E, I, w13_scale, w2_scale, w13_slow, w2_slow, w13_bias, w2_bias, activation, alpha,
+                            limit, policy, m_cross, apply_router_weight_on_input);
 }
 
 // Packs the listed experts of one weight matrix w ([E][N][K] standard layout, contiguous) into
@@ -516,6 +583,10 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
         "str quant, bool packed, int E, int I, Tensor? w13_scale, Tensor? w2_scale, Tensor? w13_slow, "
         "Tensor? w2_slow, Tensor? w13_bias, Tensor? w2_bias, str activation, float alpha, float limit, "
         "int policy, int m_cross, bool apply_router_weight_on_input=False) -> Tensor");
+  m.def("fused_experts_rows(Tensor x, Tensor w13, Tensor w2, Tensor topk_weights, Tensor topk_ids, "
+        "str quant, bool packed, int E, int I, Tensor? w13_scale, Tensor? w2_scale, Tensor? w13_slow, "
+        "Tensor? w2_slow, Tensor? w13_bias, Tensor? w2_bias, str activation, float alpha, float limit, "
+        "int policy, int m_cross, bool apply_router_weight_on_input=False, Tensor? y_init=None) -> Tensor");
   m.def("prepack_moe_weight(Tensor w, Tensor? scale, str quant) -> (Tensor, Tensor, Tensor)");
   m.def("pack_moe_experts(Tensor topk_ids, Tensor(a!) done, Tensor w13, Tensor? w13_scale, Tensor w2, "
         "Tensor? w2_scale, str quant, Tensor(b!) p13, Tensor(c!)? q13, Tensor(d!) f13, Tensor(e!) p2, "
@@ -523,6 +594,7 @@ TORCH_LIBRARY_FRAGMENT(moelab, m) {
 }
 TORCH_LIBRARY_IMPL(moelab, CPU, m) {
   m.impl("fused_experts", &moelab::fused_experts_cpu);
+  m.impl("fused_experts_rows", &moelab::fused_experts_rows_cpu);
   m.impl("prepack_moe_weight", &moelab::prepack_cpu);
   m.impl("pack_moe_experts", &moelab::pack_experts_cpu);
 }

@@ -1,0 +1,74 @@
+"""experiments.bench's peer columns (`make bench PEERS=1`), with fake cases and fake peers: the
+machinery must time every runnable peer in the same rounds, compute ours/peer the right way
+round, report a peer that cannot run with its reason (never as a time), and write one CSV row
+per implementation. The real peers are exercised by the bench itself (they are optional)."""
+from __future__ import annotations
+
+import csv
+import io
+import time
+
+import pytest
+
+from experiments import bench, timing
+from experiments.bench import Case
+
+
+def _sleeper(seconds):
+    # a sleep, not a busy loop: on a loaded machine a busy loop's wall time grows with every
+    # preemption, a sleep's only by the wake-up latency
+    return lambda: time.sleep(seconds)
+
+
+@pytest.fixture
+def fake_cases(monkeypatch):
+    cases = [Case("fake", "point A", _sleeper(4e-3), _sleeper(2e-3), nbytes=10 ** 6, target=1.5,
+                  peers=lambda: {"slow peer": _sleeper(8e-3), "absent peer": "not installed (make peers)"},
+                  peer_target=2.0),
+             Case("fake", "point B (no peers)", _sleeper(1e-3), _sleeper(1e-3), nbytes=10 ** 6)]
+    monkeypatch.setattr(bench, "discover", lambda: {"fake": lambda quick: cases})
+    monkeypatch.setattr(timing, "read_bandwidth", lambda nbytes=0: 1e10)
+    return cases
+
+
+def test_peer_columns(fake_cases):
+    rows = bench.run(["fake"], quick=True, rounds=3, peers=True)
+    a, b = rows
+    assert b["peers"] == []
+    slow, absent = a["peers"]
+    assert absent == {"peer": "absent peer", "why_not": "not installed (make peers)"}
+    assert slow["peer"] == "slow peer"
+    # ours takes 2 ms, the peer 8 ms: ours/peer ~ 4 (> 1 means ours is faster; the wake-up
+    # latency of a loaded machine only pulls it towards 1)
+    assert 1.5 < slow["ours_vs"] < 8.0, slow   # the inverse ratio would be ~0.25
+    assert slow["ours_vs_min"] <= slow["ours_vs"] <= slow["ours_vs_max"]
+    assert slow["GBps"] == pytest.approx(1e6 / (slow["us"] * 1e-6) / 1e9)
+    buf = io.StringIO()
+    bench.print_table(rows, file=buf)
+    out = buf.getvalue()
+    assert "vs slow peer" in out and "ok 2" in out
+    assert "vs absent peer" in out and "not run: not installed (make peers)" in out
+
+
+def test_without_peers_flag_peers_are_not_built(fake_cases):
+    built = []
+    fake_cases[0].peers = lambda: built.append(1) or {}
+    bench.run(["fake"], quick=True, rounds=1, peers=False)
+    assert built == []
+
+
+def test_csv_one_row_per_implementation(fake_cases, tmp_path, capsys):
+    path = tmp_path / "b.csv"
+    assert bench.main(["--ops", "fake", "--quick", "--rounds", "2", "--threads", "1", "--peers",
+                       "--csv", str(path)]) == 0
+    rows = list(csv.DictReader(open(path)))
+    impls = [(r["shape"], r["impl"]) for r in rows]
+    assert impls == [("point A", "moelab"), ("point A", "slow peer"), ("point A", "absent peer"),
+                     ("point B (no peers)", "moelab")]
+    assert rows[2]["why_not"] and rows[2]["impl_us"] == ""
+    assert float(rows[1]["ours_vs"]) > 1.0
+
+
+def test_bad_threads_argument(fake_cases):
+    with pytest.raises(SystemExit):
+        bench.main(["--ops", "fake", "--threads", "one"])
