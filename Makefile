@@ -73,7 +73,7 @@ compile-check:
 	$(PY) scripts/compile_check.py --out build/compile-check
 
 # On a machine with a GPU and a CUDA (or ROCm) torch: build, opcheck, verify on the GPU, time,
-# compute-sanitizer (scripts/gpu_check.sh, docs/gpu.md; at most 8 minutes on an H200). Results
+# compute-sanitizer (scripts/gpu_check.sh, docs/gpu.md; at most 9 minutes on an H200). Results
 # and the log go to $(GPU_OUT). Use with TORCH=keep so the venv sees the GPU build of torch.
 GPU_OUT ?= reports/gpu
 gpu-check: $(VENV)/.installed

@@ -228,7 +228,7 @@ def explain(op: str, *args, **kwargs) -> Decision:
 # otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). Crossovers marked "provisional"
 # have not been measured on a GPU yet: scripts/gpu_check.sh measures them (experiments/
 # results/) and these numbers are to be replaced by the measured ones.
-GPU_ROUTER_GEMM_MAX_T = 32     # the fused-cast kernel's templated token counts (1..32)
+GPU_ROUTER_GEMM_MAX_T = 32     # provisional: one fused-cast launch (16-token chunks on grid.y) up to here
 GPU_SKINNY_MAX_T = 8           # skinny_gemm's contract limit; provisional crossover vs F.linear
 GPU_MEASURED = "provisional: not yet measured on a GPU"
 
@@ -258,7 +258,7 @@ def _gpu_router_gemm(x, weight) -> Decision:
         return Decision(op, "moelab", f"T = {T} <= {GPU_ROUTER_GEMM_MAX_T}: fused-cast GPU kernel (16-byte bf16 "
                                       f"loads widened in registers, one launch; {GPU_MEASURED})")
     if _batch_invariant:
-        return Decision(op, "moelab", "batch-invariant mode: fused-cast GPU kernel over chunks of 32 tokens")
+        return Decision(op, "moelab", "batch-invariant mode: fused-cast GPU kernel (16-token chunks on grid.y)")
     return Decision(op, "library", f"T = {T} > {GPU_ROUTER_GEMM_MAX_T}: F.linear(x.float(), w) (cuBLAS / "
                                    f"hipBLASLt; not batch invariant)")
 

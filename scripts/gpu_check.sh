@@ -14,12 +14,14 @@
 #    bandwidth vs the copy bandwidth, the path crossover, one prefill point)
 #                                                   -> $OUT/gpu_bench.csv, gpu_env.csv
 # 6. compute-sanitizer over short verify runs of the GPU ops: memcheck (out-of-bounds and
-#    misaligned accesses, errors of CUDA calls) and racecheck (shared-memory hazards); where
-#    the machine has no compute-sanitizer the log and $OUT/sanitizer.txt say so plainly
-#                                                   -> $OUT/memcheck/, $OUT/racecheck/
+#    misaligned accesses, errors of CUDA calls), racecheck (shared-memory hazards), initcheck
+#    (reads of device memory nothing wrote) and synccheck (barriers and warp syncs not reached
+#    by every thread they name); where the machine has no compute-sanitizer the log and
+#    $OUT/sanitizer.txt say so plainly
+#                                -> $OUT/memcheck/, $OUT/racecheck/, $OUT/initcheck/, $OUT/synccheck/
 # Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (180 + 75 +
-# 75 + 75 + 45 + 30 s = 8 minutes at most on an H200); a failing step is recorded and the
-# next one still runs; the exit status is non-zero if any step failed.
+# 75 + 75 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200); a failing step is recorded
+# and the next one still runs; the exit status is non-zero if any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -87,9 +89,19 @@ if [[ -n "$SAN" ]] && $PY -c "import torch, sys; sys.exit(0 if torch.version.cud
   run_step racecheck 30 "$SAN" --tool racecheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 6 --no-corpus --quiet \
     --ops route,permute,fused_experts --report "$OUT/racecheck/verify"
+  # initcheck: a kernel reading a workspace or output word that nothing wrote (verify poisons
+  # fresh allocations with NaN, so this is about memory the call itself should have filled).
+  run_step initcheck 30 "$SAN" --tool initcheck --error-exitcode 9 --print-limit 20 \
+    $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
+    --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/initcheck/verify"
+  # synccheck: __syncthreads / warp syncs in divergent code, or with masks naming absent lanes.
+  run_step synccheck 30 "$SAN" --tool synccheck --error-exitcode 9 --print-limit 20 \
+    $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
+    --ops route,permute,router_gemm,skinny_gemm,fused_experts --report "$OUT/synccheck/verify"
 else
   echo "compute-sanitizer: NOT RUN: no compute-sanitizer on this machine (PATH, CUDA_HOME/bin) or not a" \
-       "CUDA build of torch (ROCm has no equivalent here); memcheck and racecheck were not checked" \
+       "CUDA build of torch (ROCm has no equivalent here); memcheck, racecheck, initcheck and synccheck" \
+       "were not checked" \
     | tee "$OUT/sanitizer.txt"
 fi
 

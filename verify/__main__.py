@@ -2,9 +2,13 @@
 
     python -m verify [--ops route,permute,...] [--backends cpu,cuda] [--dists uniform,hot_expert,...]
                      [--budget SECONDS] [--seed N] [--report PATH] [--mutants] [--repro JSON]
+                     [--allow-fallback]
     python -m verify --world N      the parallel layer on N processes vs the single-process layer
 
 Exit status: 0 when nothing failed, 1 on any failure (or a surviving mutant), 2 on bad usage.
+Every case records what served it (verify/provenance.py): a moelab kernel, the library GEMM the
+dispatcher chose, or a fallback (on CUDA without the moelab_gpu extension: the reference). A
+cell a fallback served is reported NOT VERIFIED and exits 1 unless --allow-fallback.
 """
 from __future__ import annotations
 
@@ -44,6 +48,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repro", metavar="JSON", default=None, help="run one case structure (as printed on failure)")
     p.add_argument("--no-corpus", action="store_true", help="do not append failures to verify/corpus/failures.jsonl")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--allow-fallback", action="store_true",
+                   help="do not fail on cells a fallback served (e.g. CUDA without the moelab_gpu extension: "
+                        "the reference runs); they are still reported NOT VERIFIED and never count as passing")
     p.add_argument("--world", type=int, default=None, metavar="N",
                    help="run the parallel MoE layer (optimized/parallel.py) on N spawned gloo ranks against the "
                         "single-process layer, every layout ep x tp of N and every routing distribution")
@@ -84,6 +91,9 @@ def main(argv=None) -> int:
             p.error(f"--repro needs the JSON structure of a case (with 'op'): {e}")
         r = run_case(entry, structure)
         print(json.dumps(r.to_json(), indent=1))
+        if r.ok and r.served is not None and not r.served.verified:
+            print(f"NOT VERIFIED: {r.served.detail}" + (" (allowed)" if a.allow_fallback else ""))
+            return 0 if a.allow_fallback else 1
         print("PASS" if r.ok else f"FAIL ({r.kind})")
         return 0 if r.ok else 1
 
@@ -106,7 +116,7 @@ def main(argv=None) -> int:
         return 0 if all(m["killed"] for m in muts) else 1
 
     res = run(ops, backends, a.dists, a.budget, a.seed, corpus=None if a.no_corpus else CORPUS,
-              progress=not a.quiet)
+              progress=not a.quiet, allow_fallback=a.allow_fallback)
     from .report import summary_table, write_reports
     print(summary_table(res))
     if a.report:

@@ -92,10 +92,12 @@ class CaseResult:
     path: Optional[str] = None       # which kernel the dispatcher chose, when it says
     bi_checked: bool = False         # the batch-invariance property was checked and held
     reroutes: int = 0                # moe_forward: tokens whose (tolerated) logit error changed the experts
+    served: Any = None               # what ran: verify.provenance.Served (kernel, library, empty, fallback)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "kind": self.kind, "ratio": self.ratio, "flips": self.flips,
-                "flip_gaps": self.flip_gaps[:20], "message": self.message[:2000], "path": self.path}
+                "flip_gaps": self.flip_gaps[:20], "message": self.message[:2000], "path": self.path,
+                "served": None if self.served is None else str(self.served)}
 
 
 @dataclass

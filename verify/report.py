@@ -23,6 +23,17 @@ def _gap_summary(gaps: List[float]) -> str:
     return f"max gap {max(gaps):.0f} ulp"
 
 
+def served_summary(c) -> str:
+    """What served a cell's cases (verify/provenance.py): "kernel", "kernel 9, library 3", or
+    "NOT VERIFIED (fallback 5/5)" when a fallback served any of them."""
+    if c.not_verified:
+        return f"NOT VERIFIED (fallback {c.served.get('fallback', 0)}/{c.cases})"
+    kinds = [k for k in ("kernel", "library", "empty") if c.served.get(k)]
+    if len(kinds) == 1:
+        return kinds[0]
+    return ", ".join(f"{k} {c.served[k]}" for k in kinds) or "-"
+
+
 def table_rows(res: RunResult):
     """One row per op x backend x dist (plus a bad-inputs row per op x backend)."""
     bad = {(b.op, b.backend): b for b in res.bad_inputs}
@@ -33,7 +44,7 @@ def table_rows(res: RunResult):
         if c.status == "not_covered":
             if (c.op, c.backend) not in shown_nc:
                 shown_nc.add((c.op, c.backend))
-                rows.append((c.op, c.backend, "(all)", "-", "-", "NOT COVERED", "-", "-"))
+                rows.append((c.op, c.backend, "(all)", "-", "-", "NOT COVERED", "-", "-", "-"))
             continue
         worst = _fmt_ratio(c.worst) if c.worst is not None else ("exact" if c.exact_cases else "-")
         if c.failure and c.failure.get("ratio") is None and c.worst is None:
@@ -44,11 +55,12 @@ def table_rows(res: RunResult):
         if b is not None and (c.op, c.backend) not in seen_bad:
             seen_bad.add((c.op, c.backend))
             bad_s = f"{b.calls - len(b.failures)}/{b.calls} ok"
-        rows.append((c.op, c.backend, c.dist, str(c.cases), str(c.failures), worst, flips, bad_s))
+        rows.append((c.op, c.backend, c.dist, str(c.cases), str(c.failures), worst, flips, bad_s, served_summary(c)))
     return rows
 
 
-HEADER = ("op", "backend", "distribution", "cases", "failures", "worst err/tol", "near-tie flips", "bad inputs")
+HEADER = ("op", "backend", "distribution", "cases", "failures", "worst err/tol", "near-tie flips", "bad inputs",
+          "served by")
 
 
 def summary_table(res: RunResult) -> str:
@@ -73,11 +85,27 @@ def summary_table(res: RunResult) -> str:
         lines.append(f"FAILED: `import optimized` raised {res.meta['optimized_import_error'][:500]}")
     if res.not_covered:
         lines.append("NOT COVERED: " + ", ".join(res.not_covered) + "  (optimized lacks them; not counted as passing)")
+    lines += _not_verified_lines(res)
     for f in res.failures:
         lines.append(f"FAILED {f['op']} {f['backend']} {f['dist']}: {f['message'][:300]}")
         if f.get("repro"):
             lines.append(f"  repro: {f['repro']}")
     return "\n".join(lines)
+
+
+def _not_verified_lines(res: RunResult) -> List[str]:
+    nv = res.not_verified
+    if not nv:
+        return []
+    allowed = bool(res.meta.get("allow_fallback"))
+    head = ("NOT VERIFIED (allowed by --allow-fallback, not counted as passing)" if allowed else
+            "NOT VERIFIED (fails the run; --allow-fallback accepts it)")
+    out = [f"{head}: {len(nv)} cells were served by a fallback, not by a moelab kernel "
+           f"(the reference, or a library GEMM standing in for an unbuilt kernel), so they prove nothing:"]
+    for c in nv:
+        ex = c.fallback_example or {}
+        out.append(f"  {c.op} {c.backend} {c.dist}: {c.served.get('fallback', 0)}/{c.cases} cases; {ex.get('why', '')[:240]}")
+    return out
 
 
 def _histogram(counts: List[int], width: int = 40) -> List[str]:
@@ -93,6 +121,8 @@ def markdown(res: RunResult) -> str:
     m = res.meta
     out = ["# verify report", ""]
     out.append(f"- result: **{'PASS' if res.ok else 'FAIL'}**")
+    for line in _not_verified_lines(res):
+        out.append(f"- **{line.strip()}**" if not line.startswith("  ") else f"  - {line.strip()}")
     out.append(f"- budget {m.get('budget_s')} s, ran {m.get('seconds')} s, seed {m.get('seed')}, "
                f"backends {', '.join(m.get('backends', []))}, torch {m.get('torch')}, threads {m.get('threads')}")
     if m.get("optimized"):

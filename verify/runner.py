@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hyp_seed
 from hypothesis import strategies as st
 
+from .provenance import FALLBACK, KernelWatch, classify, device_kernels_loaded
 from .registry import (REGISTRY, CaseResult, Ctx, OpInfo, import_optimized, reference_output, to_cpu,
                        to_device)
 
@@ -159,7 +160,9 @@ def _batch_invariance(entry: OpInfo, fn: Callable, case, device, ops):
 
 
 def run_case(entry: OpInfo, structure: dict, fn: Optional[Callable] = None, ops=None) -> CaseResult:
-    """Build, run and judge one case. fn: the function under test (default: the optimized one)."""
+    """Build, run and judge one case. fn: the function under test (default: the optimized one).
+    The result's `served` says what ran (verify/provenance.py): a moelab kernel, the library
+    GEMM the dispatcher chose, nothing (empty outputs) or a fallback (not a verification)."""
     ops = ops if ops is not None else import_optimized()
     device = device_of(structure.get("backend", "cpu"))
     try:
@@ -172,8 +175,10 @@ def run_case(entry: OpInfo, structure: dict, fn: Optional[Callable] = None, ops=
         if fn is None:
             return CaseResult(False, "not_available", message=f"optimized.{entry.opt_name} does not exist")
     _poison_allocator(device, _nbytes(ref))
+    watch = KernelWatch(device.type)
     try:
-        out = entry.run(fn, case, device)
+        with watch:
+            out = entry.run(fn, case, device)
         if device.type == "cuda":
             torch.cuda.synchronize()
         out = to_cpu(out)
@@ -183,6 +188,8 @@ def run_case(entry: OpInfo, structure: dict, fn: Optional[Callable] = None, ops=
         res = entry.compare(out, ref, case, Ctx(device, ops))
     except Exception as e:
         return CaseResult(False, "verify_error", message=f"comparison failed on this output: {_short_exc(e)}")
+    backend = structure.get("backend", "cpu")
+    res.served = classify(watch.kernels, res.path, out, backend, device_kernels_loaded(ops, backend))
     if res.ok and structure.get("bi"):
         try:
             bi = _batch_invariance(entry, fn, case, device, ops)
@@ -212,6 +219,8 @@ class CellStats:
     bi_checks: int = 0                 # cases whose batch-invariance property was checked
     reroutes: int = 0                  # moe_forward tokens rerouted by a tolerated logit error
     paths: Counter = field(default_factory=Counter)
+    served: Counter = field(default_factory=Counter)   # kernel / library / empty / fallback: cases
+    fallback_example: Optional[dict] = None            # a case a fallback served (structure, why)
     seconds: float = 0.0
     failure: Optional[dict] = None     # the minimal failing case
     status: str = "ran"                # ran | not_covered
@@ -235,6 +244,17 @@ class CellStats:
         self.flip_gaps.extend(r.flip_gaps[: max(0, 200 - len(self.flip_gaps))])
         if r.path:
             self.paths[r.path.split(" (")[0]] += 1
+        if r.served is not None:
+            self.served[r.served.impl] += 1
+            if r.served.impl == FALLBACK and self.fallback_example is None:
+                self.fallback_example = {"structure": structure, "why": r.served.detail,
+                                         "repro": repro_command(structure)}
+
+    @property
+    def not_verified(self) -> bool:
+        """Some case of the cell was served by a fallback (verify/provenance.py): whatever it
+        passed, the cell says nothing about the kernels."""
+        return self.served.get(FALLBACK, 0) > 0
 
     def to_json(self) -> dict:
         return {"op": self.op, "backend": self.backend, "dist": self.dist, "status": self.status,
@@ -243,7 +263,8 @@ class CellStats:
                 "worst_structure": self.worst_structure, "near_tie_flips": self.flips,
                 "flip_gaps_ulps": self.flip_gaps, "batch_invariance_checks": self.bi_checks,
                 "logit_reroutes": self.reroutes,
-                "paths": dict(self.paths), "seconds": round(self.seconds, 2),
+                "paths": dict(self.paths), "served": dict(self.served), "verified": not self.not_verified,
+                "fallback_example": self.fallback_example, "seconds": round(self.seconds, 2),
                 "failure": self.failure}
 
 
@@ -507,25 +528,35 @@ class RunResult:
     mutants: List[dict] = field(default_factory=list)
 
     @property
+    def not_verified(self) -> List[CellStats]:
+        """Cells a fallback served (never passing unless the run allowed it: --allow-fallback)."""
+        return [c for c in self.cells if c.not_verified]
+
+    @property
     def ok(self) -> bool:
         return not self.failures and not any(b.failures for b in self.bad_inputs) and \
-            all(m.get("killed") for m in self.mutants) and not self.meta.get("optimized_import_error")
+            all(m.get("killed") for m in self.mutants) and not self.meta.get("optimized_import_error") and \
+            (not self.not_verified or bool(self.meta.get("allow_fallback")))
 
     def to_json(self) -> dict:
         return {"meta": self.meta, "ok": self.ok, "not_covered": self.not_covered,
+                "not_verified": [f"{c.op} {c.backend} {c.dist}" for c in self.not_verified],
                 "cells": [c.to_json() for c in self.cells], "bad_inputs": [b.to_json() for b in self.bad_inputs],
                 "failures": self.failures, "mutants": self.mutants}
 
 
 def run(ops_names: Sequence[str], backends: Sequence[str], dists: Optional[Sequence[str]], budget_s: float,
         seed: int = 0, corpus: Optional[Path] = CORPUS, progress: bool = True, bad_random: int = 40,
-        shrink_budget_s: Optional[float] = None, ops=None) -> RunResult:
+        shrink_budget_s: Optional[float] = None, ops=None, allow_fallback: bool = False) -> RunResult:
     """The main job: every requested op x backend x distribution within budget_s seconds.
-    ops: the namespace under test (default: the `optimized` package)."""
+    ops: the namespace under test (default: the `optimized` package). A cell served by a
+    fallback (verify/provenance.py) is NOT VERIFIED and fails the run unless allow_fallback."""
     ops_mod = ops if ops is not None else import_optimized()
     t_start = time.monotonic()
     meta = {"budget_s": budget_s, "seed": seed, "backends": list(backends), "torch": torch.__version__,
-            "started": _dt.datetime.now().isoformat(timespec="seconds"), "threads": torch.get_num_threads()}
+            "started": _dt.datetime.now().isoformat(timespec="seconds"), "threads": torch.get_num_threads(),
+            "allow_fallback": bool(allow_fallback),
+            "device_kernels_loaded": {b: device_kernels_loaded(ops_mod, b) for b in backends}}
     try:
         meta["optimized"] = ops_mod.backend_info() if ops_mod is not None else None
     except Exception:
@@ -575,6 +606,9 @@ def run(ops_names: Sequence[str], backends: Sequence[str], dists: Optional[Seque
         stats = run_cell(e, b, d, slice_s, seed, shrink_budget_s=shrink_s, ops=ops_mod, on_case=on_case)
         total_cases[0] += stats.cases
         results.append(stats)
+        if stats.not_verified and prog.enabled:
+            sys.stderr.write(f"\nNOT VERIFIED {label}: a fallback served {stats.served[FALLBACK]} of {stats.cases} "
+                             f"cases ({stats.fallback_example['why'][:300]})\n")
         if stats.failure:
             f = dict(stats.failure, op=e.name, backend=b, dist=d)
             failures.append(f)

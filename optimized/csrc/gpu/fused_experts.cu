@@ -287,8 +287,16 @@ MOELAB_DEV Unit unit_of(const FeGemm& g, int64_t u) {
 }
 
 // ------------------------------------------------------------------------- small-m path
+// Launch bounds (docs/gpu.md, Occupancy): the aligned variant (VEC: 16-byte loads, taken
+// whenever the weight rows, x and its row stride are 16-byte aligned, as in every model
+// layout) gets the decode budget, >= 4 blocks per SM (<= 128 registers). The unaligned variant
+// (byte loads with bounds masks) spills when capped at 128 or at 168 (3 blocks, sm_80), so it
+// keeps 2 blocks per SM (<= 255 registers): a correctness path for odd strides, not a fast one.
+// On CDNA (64-lane waves) the aligned variant with 8 rows spills VGPRs at 4 waves per SIMD
+// (<= 128), so there it asks for 3 (<= 168 VGPRs).
+constexpr int kSmallMinBlocks = kWarp == 64 ? 3 : kDecodeMinBlocks;
 template <int Q, int TB, bool VEC>
-__global__ void __launch_bounds__(kSmallThreads, 1)
+__global__ void __launch_bounds__(kSmallThreads, VEC ? kSmallMinBlocks : 2)
 fe_small(FeGemm g) {
   constexpr int CE = kChunk<Q>, NV = TB * kSmallCols;
   __shared__ float red[kSmallWarps * NV];

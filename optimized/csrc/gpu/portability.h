@@ -52,6 +52,13 @@ constexpr int kWarp = 32;
 using lanemask_t = unsigned int;
 #endif
 constexpr int kLogWarp = kWarp == 64 ? 6 : 5;
+// Decode kernels (the weight-streaming GEMVs: router_gemm, skinny_gemm and fused_experts'
+// small-m path) are bandwidth bound: they want many loads in flight, hence resident warps. They
+// ask for kDecodeMinBlocks resident blocks in their __launch_bounds__ (CUDA: blocks per SM;
+// HIP: waves per SIMD, which for these 4-wave blocks is the same count). With 4 warps per
+// block that caps them at 128 registers per thread (CUDA: 64K registers / (4 * 128 threads);
+// CDNA: 512 VGPRs / 4 waves). scripts/compile_check.py enforces it (docs/gpu.md, Occupancy).
+constexpr int kDecodeMinBlocks = 4;
 static_assert((1 << kLogWarp) == kWarp, "warp size must be a power of two");
 
 // The emulator matches the lanes of a warp collective by their source location (emu/emu.h):

@@ -4,10 +4,12 @@
 //
 // Shape of the work (gemv.cuh): a block owns kRows experts; its threads split H in chunks of
 // 8; each thread loads its slice of the kRows weight rows once and applies it to all the
-// tokens of the launch (TB = 1, 2, 4, 8, 16 or 32, a template parameter, so the
-// accumulators stay in registers); warp-shuffle then shared-memory reduction in a fixed
-// order, independent of T (batch invariant). T > 32 (a direct call; the Python dispatcher
-// sends large T to the library GEMM) runs as chunks of 32 tokens on grid.y.
+// tokens of its chunk (TB = 1, 2, 4, 8 or 16, a template parameter, so the accumulators stay
+// in registers); warp-shuffle then shared-memory reduction in a fixed order, independent of T
+// (batch invariant). T > 16 runs as chunks of 16 tokens on grid.y, in the same launch: a
+// 32-token chunk needed 242 registers per thread (2 blocks per SM on sm_90a) or, capped at
+// the decode budget of 128, spilled; two 16-token chunks keep 4 weight rows per block (so
+// x is re-read from L2 by E/4 blocks, not E/2 or E) at <= 128 registers (docs/gpu.md).
 //
 // Floors (H200: ~4.8 TB/s HBM, ~60 TFLOP/s f32 FMA): MiniMax-M2 (H = 3072, E = 256):
 // bytes = E*H*4 (weight, 3.1 MB) + T*H*2 + T*E*4 -> ~0.7 us; flops = 2*T*E*H = 50 MFLOP at
@@ -22,10 +24,11 @@ namespace {
 
 // Weight rows per block: TB x ROWS accumulators must stay in registers (64-lane AMD waves get
 // fewer VGPRs per lane at this block size, so fewer rows there).
-template <int TB> constexpr int kRowsFor = TB >= 32 ? (kWarp == 64 ? 1 : 2) : TB >= 16 ? (kWarp == 64 ? 2 : 4) : 4;
+template <int TB> constexpr int kRowsFor = TB >= 16 ? (kWarp == 64 ? 2 : 4) : 4;
+constexpr int kMaxTB = 16;
 
 template <int TB, Fmt XF, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads, 1)
+__global__ void __launch_bounds__(kGemvThreads, kDecodeMinBlocks)
 router_gemm_kernel(const void* __restrict__ x, int64_t ldx, const float* __restrict__ w, int64_t ldw,
                    float* __restrict__ out, int64_t T, int64_t H, int64_t E) {
   constexpr int ROWS = kRowsFor<TB>;
@@ -70,8 +73,8 @@ int launch_fmt(const void* x, int64_t ldx, const float* w, int64_t ldw, float* o
   if (T <= 2) return launch_tb<2, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
   if (T <= 4) return launch_tb<4, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
   if (T <= 8) return launch_tb<8, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
-  if (T <= 16) return launch_tb<16, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
-  return launch_tb<32, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
+  static_assert(kMaxTB == 16, "the largest token chunk");
+  return launch_tb<16, XF>(x, ldx, w, ldw, out, T, H, E, vec, s);
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ namespace {
 constexpr int kRows = 4;
 
 template <int TB, Fmt F, bool VEC>
-__global__ void __launch_bounds__(kGemvThreads, 1)
+__global__ void __launch_bounds__(kGemvThreads, kDecodeMinBlocks)
 skinny_gemm_kernel(const void* __restrict__ x, int64_t ldx, const void* __restrict__ w, int64_t ldw,
                    const void* __restrict__ bias, void* __restrict__ out, int64_t T, int64_t K, int64_t N) {
   __shared__ float red[kGemvWarps * TB * kRows];
