@@ -232,7 +232,7 @@ class PeerCell:
 
 
 def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequence[str]], budget_s: float,
-                   seed: int = 0, prog: Optional[Progress] = None) -> List[PeerCell]:
+                   seed: int = 0, prog: Optional[Progress] = None, backend: str = "cpu") -> List[PeerCell]:
     cells: List[PeerCell] = []
     if not impl.available:
         for op in ops_names:
@@ -266,7 +266,7 @@ def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequenc
                 if prog:
                     prog.update(f"{impl.name} {entry.name} {d}", cell.measured.cases, 0)
                 first = cell.declared_failure is None
-                st = run_cell(derived, "cpu", d, max(0.2, p_end - time.monotonic()), seed + 1000 * j + rnd,
+                st = run_cell(derived, backend, d, max(0.2, p_end - time.monotonic()), seed + 1000 * j + rnd,
                               fn=wrapped, fixed=prof, shrink=first, shrink_budget_s=min(10.0, slice_s / 2),
                               ops=impl.ops)
                 rnd += 1
@@ -322,10 +322,19 @@ def bad_input_outcomes(name: str, timeout_s: float = 90.0) -> List[dict]:
     return out
 
 
+def pick_backend(impl: Impl, backends: Optional[Sequence[str]]) -> Optional[str]:
+    """The backend an implementation runs on: the first requested one it supports (its first
+    when none was requested); None when it supports none of those asked for."""
+    if not backends:
+        return impl.backends[0] if impl.backends else None
+    return next((b for b in backends if b in impl.backends), None)
+
+
 def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dists: Optional[Sequence[str]],
               budget_s: float, seed: int = 0, progress: bool = True, bad_inputs: bool = True,
-              impls: Optional[Dict[str, Impl]] = None) -> dict:
-    """Every implementation x op x distribution; returns the JSON-able result."""
+              impls: Optional[Dict[str, Impl]] = None, backends: Optional[Sequence[str]] = None) -> dict:
+    """Every implementation x op x distribution; returns the JSON-able result. backends: the
+    verify backends asked for (None: each implementation's own first one)."""
     t0 = time.monotonic()
     impls = dict(impls or {})
     for n in impl_names:
@@ -333,8 +342,13 @@ def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dis
             impls[n] = load(n)
     prog = Progress(budget_s, progress)
     ops_names = list(ops_names) if ops_names else None
+    for n in impl_names:
+        if impls[n].available and pick_backend(impls[n], backends) is None:
+            impls[n] = Impl(n, reason=f"runs on {', '.join(impls[n].backends)}; asked for {', '.join(backends)}",
+                            version=impls[n].version, backends=impls[n].backends)
     n_avail = sum(1 for n in impl_names if impls[n].available) or 1
     res = {"meta": {"budget_s": budget_s, "seed": seed, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "backends": list(backends) if backends else None,
                     "started": _dt.datetime.now().isoformat(timespec="seconds"), "impls": list(impl_names)},
            "impls": {}, "cells": [], "bad_inputs": {}}
     for n in impl_names:
@@ -346,7 +360,8 @@ def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dis
             res["cells"].append(PeerCell(n, ",".join(names), "(all)", status="not_run",
                                          reason=impl.reason or "").to_json())
             continue
-        cells = run_impl_cells(impl, names, dists, budget_s / n_avail, seed, prog)
+        cells = run_impl_cells(impl, names, dists, budget_s / n_avail, seed, prog,
+                               backend=pick_backend(impl, backends))
         res["cells"] += [c.to_json() for c in cells]
         if bad_inputs and impl.bad_inputs is not None:
             res["bad_inputs"][n] = bad_input_outcomes(n)
