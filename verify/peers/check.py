@@ -73,6 +73,16 @@ class Measured:
     declared_pass: int = 0
     declared_worst: Optional[float] = None
     deviations_used: Counter = field(default_factory=Counter)
+    # per weight format (fused_experts) or method (route): [cases, SPEC pass, declared pass, SPEC worst]
+    by_kind: Dict[str, list] = field(default_factory=dict)
+
+    def add_kind(self, kind: str, spec: CaseResult, declared: CaseResult):
+        k = self.by_kind.setdefault(kind, [0, 0, 0, None])
+        k[0] += 1
+        k[1] += int(spec.ok)
+        k[2] += int(declared.ok)
+        if spec.ratio is not None and not math.isnan(spec.ratio):
+            k[3] = spec.ratio if k[3] is None else max(k[3], spec.ratio)
 
     def add_spec(self, r: CaseResult):
         self.cases += 1
@@ -95,7 +105,9 @@ class Measured:
              "spec_fail_kinds": dict(self.spec_kinds), "spec_ratio_histogram": dict(zip(BIN_LABELS, self.spec_bins)),
              "spec_worst_ratio": self.spec_worst, "spec_example": self.spec_example,
              "declared_pass": self.declared_pass, "declared_worst_ratio": self.declared_worst,
-             "deviations_used": dict(self.deviations_used)}
+             "deviations_used": dict(self.deviations_used),
+             "by_kind": {k: {"cases": v[0], "spec_pass": v[1], "declared_pass": v[2], "spec_worst_ratio": v[3]}
+                         for k, v in sorted(self.by_kind.items())}}
         if self.rows:
             d.update(rows=self.rows, ids_order_agreement=self.rows_order_equal / self.rows,
                      ids_set_agreement=self.rows_set_equal / self.rows, weight_max_rel_err=self.weight_max_rel)
@@ -184,6 +196,10 @@ def declared_compare(entry: OpInfo, impl: Impl, m: Measured):
                     r.ratio = r.ratio / f
             for d in devs:
                 m.deviations_used[d.name] += 1
+        kind = case.kwargs.get("quant") if entry.name == "fused_experts" else (
+            case.args[2] if entry.name == "route" else None)
+        if kind is not None:
+            m.add_kind(str(kind), spec, r)
         if r.ok:
             m.declared_pass += 1
             if r.ratio is not None:
