@@ -19,11 +19,19 @@ experts/cpu_moe.py and vllm/_custom_ops.py):
                                here); "silu" and "swigluoai" (gate/up interleaved, as SPEC's
                                swiglu_oai); H a multiple of 32; I zero-padded to a multiple of 32
                                for silu (as vLLM's layer does), a multiple of 32 for swigluoai
+                 fp8_block,    torch.ops._C.fused_experts_cpu(out, x, w13, w2, topk_weights,
+                 mxfp4         topk_ids, method, w13_scale, w2_scale, None, None, None,
+                               block_size, w13_bias, w2_bias, alpha, limit, is_vnni=True), the raw
+                               op: vLLM's CPUExpertsFp8 / CPUExpertsMxfp4 choose it only on CPUs
+                               with AMX tiles, but its AVX-512 path runs without them (see
+                               `make_fused_experts`)
+  router_gemm                  the f32 router-gate path: GateLinear with an f32 weight casts x to
+                               f32 and runs the layer's cpu_linear, oneDNN's _C.onednn_mm
 
 Not covered (raise NotCovered): other methods, scaling with softmax_topk (vLLM's CPU softmax
-router has no routed scaling factor), norm_eps other than the default, fp8_block and mxfp4
-(torch.ops._C.fused_experts_cpu: not adapted yet), apply_router_weight_on_input (vLLM applies
-it outside the kernel, to the input, K = 1 only), alpha/limit other than GPT-OSS's.
+router has no routed scaling factor), norm_eps other than the default, apply_router_weight_on_input
+(vLLM applies it outside the kernel, to the input, K = 1 only), alpha/limit other than GPT-OSS's
+(cpu_fused_moe), and for fused_experts_cpu: T = 0, H or I not multiples of 32, ids of -1.
 """
 from __future__ import annotations
 
