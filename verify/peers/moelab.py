@@ -10,5 +10,7 @@ def load() -> Impl:
     if ops is None:
         return Impl("moelab", reason=f"import optimized failed: {optimized_import_error()}")
     covers = {name: Coverage("the whole contract") for name, e in REGISTRY.items() if e.optimized(ops) is not None}
+    import torch
     return Impl("moelab", ops=ops, version=str(ops.backend_info()), covers=covers,
-                notes="the project's optimized kernels; the contract is SPEC itself")
+                notes="the project's optimized kernels; the contract is SPEC itself",
+                backends=("cpu", "cuda") if torch.cuda.is_available() else ("cpu",))

@@ -83,6 +83,21 @@ def markdown(res: dict) -> str:
     out += ["", "## Findings per cell", "", "| " + " | ".join(HEADER) + " |", "|" + "---|" * len(HEADER)]
     for r in rows(res):
         out.append("| " + " | ".join(x.replace("|", "/") for x in r) + " |")
+    out += ["", "## Per weight format (fused_experts) and method (route), all distributions", "",
+            "| impl | op | format / method | cases | declared pass | SPEC pass | SPEC worst err/tol |",
+            "|---|---|---|---|---|---|---|"]
+    agg = {}
+    for c in res["cells"]:
+        for k, v in c["measured"].get("by_kind", {}).items():
+            a = agg.setdefault((c["impl"], c["op"], k), [0, 0, 0, None])
+            a[0] += v["cases"]
+            a[1] += v["declared_pass"]
+            a[2] += v["spec_pass"]
+            w = v["spec_worst_ratio"]
+            if w is not None:
+                a[3] = w if a[3] is None else max(a[3], w)
+    for (impl, op, k), (n, dp, sp, w) in sorted(agg.items()):
+        out.append(f"| {impl} | {op} | {k} | {n} | {dp}/{n} | {sp}/{n} | {_f(w)} |")
     out += ["", "## First declared failure of each cell (shrunk), with its repro", ""]
     for c in res["cells"]:
         f = c.get("declared_failure")
