@@ -321,3 +321,13 @@ def test_gpu_peers_without_a_gpu_are_not_run():
     res = run_peers(["sgl-kernel"], ["route"], ["uniform"], 1.0, progress=False, bad_inputs=False,
                     impls={"sgl-kernel": fake}, backends=["cuda"])
     assert res["cells"][0]["status"] == "not_run" and "asked for cuda" in res["cells"][0]["reason"]
+
+
+def test_probe_messages_drop_absolute_paths():
+    """A peer's error may name a file of the machine it was built on; the report keeps the file
+    name only (no machine layout in a committed report) and leaves relative text alone."""
+    from verify.peers.probe import _message
+    msg = _message(RuntimeError("const_data_ptr<int>, /opt/build/env-1.0/include/torch/tensor_inl.h:71, "
+                                "expected scalar type Int"))
+    assert msg == "RuntimeError: const_data_ptr<int>, tensor_inl.h:71, expected scalar type Int"
+    assert _message(ValueError("ratio 1/2 of a/b")) == "ValueError: ratio 1/2 of a/b"

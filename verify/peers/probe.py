@@ -10,11 +10,23 @@ input is recorded as a crash; a line {"start": ...} precedes each call. Outcomes
 from __future__ import annotations
 
 import json
+import re
 import sys
 
 import torch
 
 from . import load
+
+
+# A peer's message may name a file of the machine it was built on (an absolute path in a
+# C++ check); the report keeps the file's name and drops the folders, which say nothing about
+# the input and would put someone's machine layout into a committed report.
+_ABS_PATH = re.compile(r"(?:/[\w.+-]+)+/([\w.+-]+)")
+
+
+def _message(e: Exception) -> str:
+    first = str(e).splitlines()[0] if str(e) else ""
+    return f"{type(e).__name__}: {_ABS_PATH.sub(lambda m: m.group(1), first)[:200]}"
 
 
 def main(argv) -> int:
@@ -33,7 +45,7 @@ def main(argv) -> int:
         try:
             out = thunk()
         except Exception as e:
-            rec = {"outcome": "error", "detail": f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"}
+            rec = {"outcome": "error", "detail": _message(e)}
         else:
             outs = out if isinstance(out, (tuple, list)) else (out,)
             fin = all(bool(torch.isfinite(o.float()).all()) for o in outs if isinstance(o, torch.Tensor)
