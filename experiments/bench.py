@@ -61,7 +61,9 @@ def discover() -> dict[str, Callable[[bool], list[Case]]]:
     found = {}
     for m in pkgutil.iter_modules(experiments.__path__):
         if m.name.startswith("cases_"):
-            found[m.name[len("cases_"):]] = importlib.import_module(f"experiments.{m.name}").cases
+            mod = importlib.import_module(f"experiments.{m.name}")
+            if hasattr(mod, "cases"):   # (cases_parallel.py serves its notebook only)
+                found[m.name[len("cases_"):]] = mod.cases
     return found
 
 

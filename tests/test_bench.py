@@ -72,3 +72,11 @@ def test_csv_one_row_per_implementation(fake_cases, tmp_path, capsys):
 def test_bad_threads_argument(fake_cases):
     with pytest.raises(SystemExit):
         bench.main(["--ops", "fake", "--threads", "one"])
+
+
+def test_discover_lists_every_bench_module():
+    """Every experiments/cases_*.py with a cases() is a bench op (and a module without one, such
+    as the parallel notebook's, does not break `make bench`)."""
+    found = bench.discover()
+    assert {"route", "router_gemm", "fused_experts", "permute", "skinny_gemm", "models"} <= set(found)
+    assert all(callable(f) for f in found.values())
