@@ -163,7 +163,6 @@ class FusedExpertsPeers:
         s = self.s
         E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
         seeds = iter(self.seeds)
-        expert_bytes = None
 
         def make():
             w13, w2, s13, s2 = random_weights(q, E, H, I, seed=next(seeds))
@@ -194,17 +193,16 @@ class FusedExpertsPeers:
         out: dict[str, Peer] = {}
         v, z = vllm(), zentorch()
         tw32, ids32 = tw.float().contiguous(), ids.to(torch.int32).contiguous()
-        b13 = None if self.b13 is None else self.b13
-        b2 = None if self.b2 is None else self.b2
-        if q == "bf16":
+        b13, b2 = self.b13, self.b2
+        if q == "bf16":   # both peers take the biases in the activations' dtype
+            bb13 = None if b13 is None else b13.bfloat16()
+            bb2 = None if b2 is None else b2.bfloat16()
             if isinstance(v, str):
                 out["vllm cpu_fused_moe"] = v
             elif s["H"] % 32 or s["I"] % 32:
                 out["vllm cpu_fused_moe"] = "needs H and I multiples of 32"
             else:
                 C, ws = v[0], self.weights("vllm cpu_fused_moe")
-                bb13 = None if b13 is None else b13.bfloat16()
-                bb2 = None if b2 is None else b2.bfloat16()
 
                 def cpu_fused_moe():
                     p13, p2, _, _ = ws.next()
@@ -216,8 +214,6 @@ class FusedExpertsPeers:
                 out["zentorch fused_moe"] = z
             else:
                 Z, wz = z[0], self.weights("zentorch")
-                bb13 = None if b13 is None else b13.bfloat16()
-                bb2 = None if b2 is None else b2.bfloat16()
 
                 def zen():
                     w13, w2, _, _ = wz.next()

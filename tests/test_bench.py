@@ -80,3 +80,39 @@ def test_discover_lists_every_bench_module():
     found = bench.discover()
     assert {"route", "router_gemm", "fused_experts", "permute", "skinny_gemm", "models"} <= set(found)
     assert all(callable(f) for f in found.values())
+
+
+@pytest.mark.parametrize("name", ["olmoe-1b-7b", "qwen3-30b-a3b", "gpt-oss-20b"])
+def test_real_peers_compute_the_same_layer(name, monkeypatch):
+    """The bench's peer columns call the peers with the conversions written out in
+    experiments/peers.py; a wrong layout would time a different computation. Each peer's output
+    on a small instance of the shape (8 experts) must match ours to bf16 accuracy (their
+    documented deviations are bf16-rounding ones: verify/peers)."""
+    import torch
+    from experiments import peers
+    from experiments.cases_fused_experts import SHAPES, routing
+    from optimized.tune import random_weights
+    import optimized
+    if isinstance(peers.vllm(), str):
+        pytest.skip(peers.vllm())
+    s = dict(SHAPES[name], E=8)
+    E, K, H, I, q = s["E"], min(s["K"], 4), s["H"], s["I"], s["quant"]
+    g = torch.Generator().manual_seed(7)
+    b13 = torch.randn(E, 2 * I, generator=g) * 0.1 if s["bias"] else None
+    b2 = torch.randn(E, H, generator=g) * 0.1 if s["bias"] else None
+    # two rotating copies (the bench makes enough to exceed the caches), both the same weights
+    monkeypatch.setattr(peers, "Rotating", lambda make, nbytes: timing.Rotating(make, nbytes, max_copies=2))
+    P = peers.FusedExpertsPeers(s, [100] * 2, (b13, b2))
+    tw, ids = routing("uniform", 4, E, K)
+    x = torch.randn(4, H, generator=g).bfloat16()
+    w13, w2, s13, s2 = random_weights(q, E, H, I, seed=100)
+    ours = optimized.fused_experts(x, w13, w2, tw, ids, quant=q, w13_scale=s13, w2_scale=s2, w13_bias=b13,
+                                   w2_bias=b2, activation=s["activation"]).float()
+    ran = 0
+    for peer, fn in P.peers(x, tw, ids).items():
+        if isinstance(fn, str):
+            continue
+        rel = float((fn().float() - ours).norm() / ours.norm())
+        assert rel < 2e-2, (peer, rel)
+        ran += 1
+    assert ran >= 1

@@ -48,7 +48,7 @@ if nb.mode() == "tiny":   # exercise the code in seconds: small made-up shapes
     })
     tune.SHAPES = {"fp8_block": (256, 128, "silu", False), "mxfp4": (256, 128, "swiglu_oai", True),
                    "bf16": (256, 128, "silu", False)}
-    cf.Rotating = lambda make, nbytes: timing.Rotating(make, nbytes, cold_bytes=1 << 20, max_copies=2)
+    cf.Rotating = lambda make, nbytes, **kw: timing.Rotating(make, nbytes, **{**kw, "cold_bytes": 1 << 20, "max_copies": 2})
 cf.SHAPES["gpt-oss-20b-tp4"] = dict(E=32, K=4, H=2880, I=736, quant="mxfp4", activation="swiglu_oai", bias=True)
 if nb.mode() == "tiny":
     cf.SHAPES["gpt-oss-20b-tp4"] = dict(E=32, K=4, H=256, I=128, quant="mxfp4", activation="swiglu_oai", bias=True)
