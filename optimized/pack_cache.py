@@ -15,8 +15,10 @@ Design (docs/fused_experts.md, "The pack cache"):
   in-place reload, a `.set_()` swap, a resized storage) gets a fresh entry: never a stale
   pack. Weights are checked contiguous before (check_fused_experts), so shape fixes the
   strides; the dtype is fixed by quant.
-- Lazy, per expert: an entry allocates the full prepacked buffers once (at::empty: the
-  pages of never-routed experts are never touched, so never resident) and a flag byte per
+- Lazy, per expert: an entry allocates the full prepacked buffers once (torch.empty: the
+  pages of never-routed experts are never touched, so never resident, except up to 2 MiB on
+  each side of a packed expert: its bytes are advised as huge pages before they are written,
+  docs/fused_experts.md, "Weight layout") and a flag byte per
   expert. Each call hands topk_ids and the flags to one C++ op (`moelab::pack_moe_experts`)
   that scans the ids (T*K int32 reads, no host copy, no sort), packs the routed experts not
   yet packed, then sets their flags. A decode step touching 8 of 128 experts packs 8.

@@ -16,6 +16,10 @@
 #include <tuple>
 #include <vector>
 
+#ifdef __linux__
+#include <sys/mman.h>
+#endif
+
 #include "../cpu/fused_experts.h"
 #include "../cpu/permute.h"
 #include "common.h"
@@ -398,6 +402,29 @@ at::Tensor fused_experts_rows_cpu(const at::Tensor& x, const at::Tensor& w13, co
 // other experts' bytes are never touched (the pack cache relies on it: a thread may be reading
 // them). Both prepack_moe_weight (every expert) and pack_moe_experts (the routed ones) use it,
 // so the two give the same bytes and flags.
+//
+// Before the first write, each listed expert's packed bytes are advised as transparent huge
+// pages (madvise MADV_HUGEPAGE over the 2 MiB pages that overlap the expert, within the E
+// experts' buffer; where THP is "always" this changes nothing, where it is "never" it is
+// ignored). A decode call streams ~5-13 MB per expert: with 4 KiB pages that is a TLB miss
+// (and a page the hardware prefetcher stops at) every 64 lines. Measured on the Zen 5 EPYC
+// against the same bytes in 4 KiB pages, rotating cold copies, T = 1, 4, 16, 1 and 2 threads:
+// 1.22-1.43x for Qwen3 fp8 and 1.15-1.30x for GPT-OSS mxfp4 decode
+// (experiments/micro/huge_pages.py, experiments/results/amd-epyc-2c/huge_pages.txt). A 2 MiB page shared with an expert
+// not packed yet becomes resident with it (at most 2 MiB per side of a packed expert).
+void advise_huge_pages(uint8_t* base, int64_t total, int64_t begin, int64_t end) {
+#ifdef __linux__
+  constexpr uintptr_t kHuge = uintptr_t(2) << 20;
+  const uintptr_t lo = (uintptr_t(base) + kHuge - 1) & ~(kHuge - 1), hi = (uintptr_t(base) + total) & ~(kHuge - 1);
+  uintptr_t a = (uintptr_t(base) + begin) & ~(kHuge - 1), b = (uintptr_t(base) + end + kHuge - 1) & ~(kHuge - 1);
+  a = a < lo ? lo : a;
+  b = b > hi ? hi : b;
+  if (b > a) madvise(reinterpret_cast<void*>(a), b - a, MADV_HUGEPAGE);   // advice: a failure changes nothing
+#else
+  (void)base, (void)total, (void)begin, (void)end;
+#endif
+}
+
 void pack_experts_into(int q, const at::Tensor& w, const c10::optional<at::Tensor>& scale, int64_t N,
                        int64_t K, const std::vector<int64_t>& experts, uint8_t* pp, float* fp8_dst,
                        uint8_t* mx_dst, uint8_t* sp) {
@@ -405,6 +432,8 @@ void pack_experts_into(int q, const at::Tensor& w, const c10::optional<at::Tenso
   if (n == 0) return;
   const uint8_t* wp = static_cast<const uint8_t*>(w.data_ptr());
   const int64_t N16 = fe::n16(N), gb = fe::group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
+  const int64_t eb = N16 * gb;
+  for (int64_t e : experts) advise_huge_pages(pp, w.size(0) * eb, e * eb, (e + 1) * eb);
   const int64_t nt = fe::n_tiles(N), rb = fe::row_bytes(q, K);
   const int64_t nbn = fe::cdiv(N, fe::kFp8Block), nbk = fe::cdiv(K, fe::kFp8Block);
   if (q == fe::kFP8) {
