@@ -29,14 +29,19 @@ from . import _fake, dispatch
 _op = torch.ops.moelab.route.default
 
 
-@torch.library.register_fake("moelab::route")
-def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=None, n_group=1,
-                topk_group=1, norm_eps=None):
-    _fake.check("route", ("logits", logits, 2), ("bias", bias, 1))
-    _fake.check_positive("route", "top_k", top_k)
+def _fake_outputs(op: str, logits, top_k, bias):
+    """Shapes of route's outputs on meta tensors (route and route_variant alike)."""
+    _fake.check(op, ("logits", logits, 2), ("bias", bias, 1))
+    _fake.check_positive(op, "top_k", top_k)
     T = logits.shape[0]
     return (logits.new_empty((T, top_k), dtype=torch.float32),
             logits.new_empty((T, top_k), dtype=torch.int32))
+
+
+@torch.library.register_fake("moelab::route")
+def _route_fake(logits, top_k, method, bias=None, scaling=1.0, renormalize=None, n_group=1,
+                topk_group=1, norm_eps=None):
+    return _fake_outputs("route", logits, top_k, bias)
 
 
 def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch.Tensor] = None,
@@ -111,11 +116,7 @@ _variant_op = torch.ops.moelab.route_variant.default
 @torch.library.register_fake("moelab::route_variant")
 def _route_variant_fake(logits, top_k, method, selection, bias=None, scaling=1.0, renormalize=None, n_group=1,
                         topk_group=1, norm_eps=None):
-    _fake.check("route_variant", ("logits", logits, 2), ("bias", bias, 1))
-    _fake.check_positive("route_variant", "top_k", top_k)
-    T = logits.shape[0]
-    return (logits.new_empty((T, top_k), dtype=torch.float32),
-            logits.new_empty((T, top_k), dtype=torch.int32))
+    return _fake_outputs("route_variant", logits, top_k, bias)
 
 
 def route_variant(logits: torch.Tensor, top_k: int, method: str, *, selection: str,
