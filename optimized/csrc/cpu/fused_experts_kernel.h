@@ -117,7 +117,8 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 // narrows), in four registers of 32 words. get() then decodes 32 codes with two 64-entry
 // word permutes (vpermi2w on the low 6 bits), a blend on bit 6 and the sign flipped in from
 // bit 7: 6 instructions, against 9 (and two 2-uop vcvtph2ps) for widening each code to f32
-// and multiplying (measured on the Zen 5 EPYC: 1.5 vs 2.5 ns per 32 weights in L2). The
+// and multiplying (1.6-1.7x faster in L2 on the Zen 5 EPYC: experiments/micro/fp8_decode.cpp,
+// results/amd-epyc-2c/fp8_decode_micro.txt). The
 // table is 8 multiplies per 8192 weights. Same bits as the widening: the table holds the
 // very products the multiply would make, and bf16(-v) = -bf16(v) (XOR, so a negative scale
 // is right too). NaN codes (0x7f) never get here: their tiles are flagged slow.
@@ -162,8 +163,8 @@ struct Fp8Dec {
 // with vpermi2b on all 64 codes of pairs kk, kk+1 at once, the sign XORed into the high
 // bytes, and the bytes zipped into words (vpunpck{l,h}bw). The zip works per 128-bit lane,
 // so the codes are first put in lane order with one vpermb. 6 instructions per 64 weights,
-// against 6 per 32 for Fp8Dec (measured in L2 on the Zen 5 EPYC: 0.97 vs 1.46 ns per 32
-// weights); the same bytes out, so the same bits.
+// against 6 per 32 for Fp8Dec (in L2 on the Zen 5 EPYC: 0.88 vs 1.38-1.48 ns per 32 weights,
+// fp8_decode_micro.txt); the same bytes out, so the same bits.
 alignas(64) constexpr uint8_t kFp8LaneOrder[64] = {   // lane q takes codes 8 (q/2) + 32 (q%2) + 0..7
     0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
     14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
