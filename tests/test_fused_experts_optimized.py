@@ -580,6 +580,35 @@ def test_exact_decoder_tiles(level):
         reference_check(x[keep], w13, w2, tw[keep], ids[keep], kw, out[keep])
 
 
+@pytest.mark.parametrize("level", ["avx512", "avx512_bf16"])
+def test_mxfp4_fast_range_edges(level):
+    """mxfp4's fast decoder keeps the accumulator in units of each 32-k block's scale, exact
+    for scale bytes in [95, 159] (|e| <= 32): 95 and 159 stay fast, 94 and 160 go to the exact
+    decoder. Blocks far apart in scale (95 next to 159: a factor 2^64 between them) inside one
+    tile, in both GEMMs, give the same bits in every policy, prepacked or not, and match the
+    reference."""
+    E, H, I, K, T = 4, 128, 64, 2, 12
+    with isa(level):
+        w13, w2, s13, s2 = (t.clone() for t in make_weights("mxfp4", E, H, I))
+        s13[0, :, 0::2], s13[0, :, 1::2] = 95, 159          # fast: alternating extremes
+        s2[0, :, 0], s2[0, :, 1] = 159, 95
+        s13[1, 0, 0] = 94                                    # slow: one byte below
+        s2[2, 17, 1] = 160                                   # slow: one byte above
+        s13[3, :, :] = 127
+        x, _, _, tw, ids, kw = make_case("mxfp4", "silu", E, H, I, T, K, seed=6)
+        x = (x.float() * 2.0 ** -20).bfloat16()              # keeps 2^32-scaled sums in bf16 range
+        kw.update(w13_scale=s13, w2_scale=s2)
+        pw = optimized.prepack_moe_weights(w13, w2, "mxfp4", s13, s2)
+        assert pw.w13_slow[0].sum() == 0 and pw.w2_slow[0].sum() == 0
+        assert pw.w13_slow[1, 0] == 1 and pw.w2_slow[2, 0] == 1
+        assert pw.w13_slow[3].sum() == 0 and pw.w2_slow[3].sum() == 0
+        out = run_all_policies(x, w13, w2, tw, ids, kw)
+        kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+        assert torch.equal(bits(optimized.fused_experts(x, pw, None, tw, ids, **kp)), bits(out))
+        assert (ids == 0).any() and out.float().abs().sum() > 0
+        reference_check(x, w13, w2, tw, ids, kw, out)
+
+
 # ------------------------------------------------------------------------ errors
 def _errs():
     x, w13, w2, tw, ids, kw = make_case("fp8_block", "silu", 3, 64, 32, 4, 2, seed=1)

@@ -25,9 +25,10 @@
 //   fp8:   a per-(tile, 128-k block) table of the 128 magnitudes' bf16(e4m3(c) * scale)
 //          (f32 product, rounded once, then bf16 RNE: vcvtne2ps2bf16 at avx512_bf16, integer
 //          RNE at avx512), looked up with two vpermi2w per 32 codes, sign XORed in (Fp8Dec).
-//   mxfp4: one 32-byte chunk -> vpmovzxbw -> low / high nibbles -> vpermw table of e2m1 bf16
-//          patterns -> add (s - 127) << 7 to the exponent of nonzero codes (exact for s in
-//          [2, 252], the fast-path condition).
+//   mxfp4: one 64-byte octet (4 k pairs) -> 3 shifts -> 4 vpermw of the plain e2m1 bf16
+//          patterns; the f32 accumulators are kept in units of the current 32-k block's scale
+//          (multiplied by 2^(e(b-1) - e(b)) at each block, by 2^e(last) at the end): the same
+//          bits as scaling the weights, for scale bytes in [95, 159] (Mx4Dec).
 //   exact: bf16_rne(f32(e4m3(q)) * scale) / bf16_rne(e2m1(c) * 2^(s-127)) per element
 //          (formats.h); an odd K's padding k is exactly 0.
 //
@@ -55,12 +56,15 @@ constexpr int64_t kWholeK = int64_t(1) << 60;
 // ----------------------------------------------------------------------------- decoders
 // A decoder yields, for group g (of the NG it covers) and pair kk, kStep weight vectors
 // (pairs kk .. kk+kStep-1). begin_block(b) is called before the pairs of scale block b
-// (kBlockPairs pairs each).
+// (kBlockPairs pairs each). A decoder with kRescales (mxfp4's fast one) yields unscaled
+// weights and a factor per group that the accumulators are multiplied by at each block start
+// and, with b = the number of blocks, once more at the end (Mx4Dec).
 
 // bf16 in VNNI order already (bf16 weights, or the blocked path's dequantized buffer).
 struct LoadDec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = kWholeK;
+  static constexpr bool kRescales = false;
   const uint16_t* base;
   int64_t gstride;   // elements between groups
   void begin_block(int64_t) {}
@@ -71,6 +75,7 @@ struct LoadDec {
 struct ExactDec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = kWholeK;
+  static constexpr bool kRescales = false;
   int q;
   const uint8_t* w;          // tile's first group
   int64_t gb;                // bytes per group
@@ -88,11 +93,13 @@ struct ExactDec {
         v[i] = k < K ? f32_to_bf16(e4m3_to_f32(p[i]) * srow[k / fe::kFp8Block]) : uint16_t(0);
       }
     } else {
-      const uint8_t* p = w + g * gb + (kk / 2) * 32;
-      const int half = int(kk & 1);
+      const uint8_t* p = w + g * gb + (kk / 4) * 64;   // the octet of pair kk
+      const int shift = 4 * int(kk & 3);
       const uint8_t* s = ms + g * sgb;
       for (int i = 0; i < 32; ++i) {
-        const uint8_t code = half ? uint8_t(p[i] >> 4) : uint8_t(p[i] & 0x0f);
+        uint32_t dw;
+        std::memcpy(&dw, p + 4 * (i >> 1), 4);
+        const uint8_t code = uint8_t((dw >> (16 * (i & 1) + shift)) & 0x0f);
         const int64_t k = 2 * kk + (i & 1);
         const uint8_t sc = s[(k / fe::kMxBlock) * fe::kGroupN + (i >> 1)];
         v[i] = f32_to_bf16(e2m1_to_f32(code) * e8m0_to_f32(sc));
@@ -125,6 +132,7 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 struct Fp8Dec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr bool kRescales = false;
   const uint8_t* w;
   int64_t gb;
   const float* srow;
@@ -173,6 +181,7 @@ alignas(64) constexpr uint8_t kFp8LaneOrder[64] = {   // lane q takes codes 8 (q
 struct Fp8PairDec {
   static constexpr int kStep = 2;
   static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr bool kRescales = false;
   const uint8_t* w;
   int64_t gb;
   const float* srow;
@@ -201,42 +210,60 @@ struct Fp8PairDec {
 };
 #endif
 
-// mxfp4 fast path: one 32-byte chunk holds pairs kk (low nibbles) and kk+1 (high nibbles).
+// mxfp4 fast path, in units of the block's scale. The codes of a 32-k block decode to their
+// plain e2m1 values (exact in bf16), and the accumulator is kept multiplied by 2^-e of the
+// current block (e per column: the e8m0 byte s minus 127): before block b's pairs the kernel
+// multiplies it by 2^(e(b-1) - e(b)) (e(-1) = 0) and after the last block by 2^e(last)
+// (mx_rescale). A power-of-two factor is exact and commutes with every rounding of the
+// accumulation as long as nothing leaves the normal f32 range, so this is the same sum as
+// accumulating x * (e2m1 * 2^e) (checked bit for bit: experiments/micro/mxfp4_decode.cpp);
+// the fast path's scale range [kMxFastLo, kMxFastHi] (fe::tile_needs_slow) keeps it there.
+// It saves the per-code exponent add, which had to skip the zero codes (a vptestmw and a
+// masked vpaddw per 32 codes). One 64-byte octet holds pairs kk .. kk+3 (fused_experts_pack.h):
+// pair kk+i's codes are the low nibbles of each 16-bit half after a right shift by 4i, and
+// vpermw reads only the low 5 bits of an index, so with the 16 patterns repeated in both
+// halves of the table no mask is needed: 3 shifts and 4 vpermw per 128 codes.
+inline __m512 mx_rescale(const uint8_t* gs, int64_t b, int64_t nb) {   // gs: one group's scales
+  const __m512i prev = b > 0 ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gs + (b - 1) * fe::kGroupN)))
+                             : _mm512_set1_epi32(127);
+  const __m512i cur = b < nb ? _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(gs + b * fe::kGroupN)))
+                             : _mm512_set1_epi32(127);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(prev, cur), _mm512_set1_epi32(127)), 23));
+}
+
 template <int NG>
 struct Mx4Dec {
-  static constexpr int kStep = 2;
+  static constexpr int kStep = 4;
   static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr bool kRescales = true;
   const uint8_t* w;
   int64_t gb;
   const uint8_t* ms;
   int64_t sgb;
   __m512i lut;
-  __m512i ev[NG];   // per column: (s - 127) << 7 in both 16-bit halves of its dword
+  __m512 factor[NG];   // what begin_block(b) multiplies the accumulators of group g by
   void init() {
-    lut = _mm512_set_epi16(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
-                           int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000),
-                           int16_t(0xBFC0), int16_t(0xBF80), int16_t(0xBF00), int16_t(0x8000),
-                           0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000);
+    lut = _mm512_broadcast_i32x8(_mm256_set_epi16(int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000),
+                                                  int16_t(0xBFC0), int16_t(0xBF80), int16_t(0xBF00), int16_t(0x8000),
+                                                  0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000));
   }
-  void begin_block(int64_t b) {
-    for (int g = 0; g < NG; ++g) {
-      __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(ms + g * sgb + b * fe::kGroupN)));
-      __m512i e = _mm512_and_si512(_mm512_slli_epi32(_mm512_sub_epi32(s, _mm512_set1_epi32(127)), 7),
-                                   _mm512_set1_epi32(0xffff));
-      ev[g] = _mm512_or_si512(e, _mm512_slli_epi32(e, 16));
-    }
+  void begin_block(int64_t b) {   // b = sgb / 16 (past the last block): the final factor
+    for (int g = 0; g < NG; ++g) factor[g] = mx_rescale(ms + g * sgb, b, sgb / fe::kGroupN);
   }
   void get(int g, int64_t kk, W32* out) const {
-    __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(w + g * gb + (kk / 2) * 32)));
-    __m512i c0 = _mm512_and_si512(b, _mm512_set1_epi16(0x0f));
-    __m512i c1 = _mm512_srli_epi16(b, 4);
-    __m512i v0 = _mm512_permutexvar_epi16(c0, lut);
-    __m512i v1 = _mm512_permutexvar_epi16(c1, lut);
-    const __m512i seven = _mm512_set1_epi16(7);
-    out[0].v = _mm512_mask_add_epi16(v0, _mm512_test_epi16_mask(c0, seven), v0, ev[g]);
-    out[1].v = _mm512_mask_add_epi16(v1, _mm512_test_epi16_mask(c1, seven), v1, ev[g]);
+    const __m512i d = _mm512_loadu_si512(w + g * gb + (kk / 4) * 64);
+    out[0].v = _mm512_permutexvar_epi16(d, lut);
+    out[1].v = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 4), lut);
+    out[2].v = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 8), lut);
+    out[3].v = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 12), lut);
   }
 };
+
+template <int R, int NG>
+inline void acc_rescale(Acc (&acc)[R][NG], const __m512 (&f)[NG]) {
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) acc[r][g].v = _mm512_mul_ps(acc[r][g].v, f[g]);
+}
 #endif
 
 // --------------------------------------------------------------------- prefetching
@@ -257,11 +284,24 @@ struct Prefetch {
 template <int R, int NG, class Dec>
 inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pfp) {
   Prefetch pf = *pfp;   // a local copy, so its pointer lives in a register
-  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
+  int64_t b = 0;
+  for (int64_t k0 = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
+#if MOELAB_ISA_LEVEL >= 2
+    if constexpr (Dec::kRescales) acc_rescale(acc, dec.factor);
+#endif
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
       pf.step();
+      if constexpr (Dec::kStep > 2) {   // group by group: 4 weight vectors live, not 4 x NG
+        for (int g = 0; g < NG; ++g) {
+          W32 w[Dec::kStep];
+          dec.get(g, kk, w);
+          for (int s = 0; s < Dec::kStep; ++s)
+            for (int r = 0; r < R; ++r) acc[r][g] = dp(acc[r][g], x_pair(a + r * lda + 2 * (kk + s)), w[s]);
+        }
+        continue;
+      }
       W32 w[NG][Dec::kStep];
       for (int g = 0; g < NG; ++g) dec.get(g, kk, w[g]);
       for (int s = 0; s < Dec::kStep; ++s) {
@@ -272,6 +312,12 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
       }
     }
   }
+#if MOELAB_ISA_LEVEL >= 2
+  if constexpr (Dec::kRescales) {
+    dec.begin_block(b);
+    acc_rescale(acc, dec.factor);
+  }
+#endif
   pfp->p = pf.p;
 }
 
@@ -377,12 +423,25 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 // The blocked micro-kernel: R rows x NG vectors over bf16 weight vectors at
 // b + kk * kstride + g * gstride. The same dp sequence per output element as run_rows (kk
 // ascending), written so the pointers stay in registers (4 loads, R broadcasts, R * NG
-// vdpbf16ps per k pair).
+// vdpbf16ps per k pair). ms (mxfp4's fast path: the buffer holds unscaled e2m1 weights): the
+// packed scales of the NG groups (sgb bytes apart); the accumulators are rescaled at every
+// 32-k block as run_rows does with Mx4Dec, so the same bits.
 template <int R, int NG>
 inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
-                      int64_t K2, const Out& o, int64_t p, Prefetch* pf) {
+                      int64_t K2, const Out& o, int64_t p, Prefetch* pf, const uint8_t* ms, int64_t sgb) {
   Acc acc[R][NG];
   acc_begin<R, NG>(o, p, acc);
+#if MOELAB_ISA_LEVEL >= 2
+  const int64_t nb = sgb / fe::kGroupN, kb = ms ? fe::kMxBlock / 2 : K2;
+  auto rescale = [&](int64_t blk) {
+    __m512 f[NG];
+    for (int g = 0; g < NG; ++g) f[g] = mx_rescale(ms + g * sgb, blk, nb);
+    acc_rescale(acc, f);
+  };
+#else
+  const int64_t kb = K2;   // (mxfp4 takes the exact decoder below avx512: ms is null)
+  (void)ms, (void)sgb;
+#endif
   // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
   // index addressing), so two row pointers and the stride stay in registers.
   const char* a0 = reinterpret_cast<const char*>(a);
@@ -391,19 +450,29 @@ inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const
   const char* pp = pf->p;
   const char* const pe = pf->end;
   const uint16_t* bk = b;
-  for (int64_t kk = 0; kk < K2; ++kk, a0 += 4, a3 += 4, bk += kstride) {
-    if (pp < pe) {
-      __builtin_prefetch(pp, 0, 2);
-      pp += 64;
-    }
-    W32 w[NG];
-    for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * gstride);
-    for (int r = 0; r < R; ++r) {
-      const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
-      const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
-      for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g]);
+  int64_t blk = 0;
+  for (int64_t k0 = 0; k0 < K2; k0 += kb, ++blk) {
+#if MOELAB_ISA_LEVEL >= 2
+    if (ms) rescale(blk);
+#endif
+    const int64_t k1 = K2 - k0 < kb ? K2 : k0 + kb;
+    for (int64_t kk = k0; kk < k1; ++kk, a0 += 4, a3 += 4, bk += kstride) {
+      if (pp < pe) {
+        __builtin_prefetch(pp, 0, 2);
+        pp += 64;
+      }
+      W32 w[NG];
+      for (int g = 0; g < NG; ++g) w[g] = w_load(bk + g * gstride);
+      for (int r = 0; r < R; ++r) {
+        const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
+        const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
+        for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, w[g]);
+      }
     }
   }
+#if MOELAB_ISA_LEVEL >= 2
+  if (ms) rescale(blk);
+#endif
   pf->p = pp;
   store_rows<R, NG>(o, p, acc);
 }
@@ -414,19 +483,20 @@ inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const
 // kstride = NG * 32, gstride = 32; bf16 packed weights: kstride = 32, gstride = K2 * 32).
 template <int NG>
 inline void blocked_rows(const uint16_t* buf, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
-                         int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf) {
+                         int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf,
+                         const uint8_t* ms = nullptr, int64_t sgb = 0) {
   const int64_t n = fe::cdiv(m, kBlockedRows), base = m / n, extra = m % n;
   int64_t r0 = 0;
   for (int64_t c = 0; c < n; ++c) {
     const int64_t R = base + (c < extra ? 1 : 0);
     const uint16_t* ar = a + r0 * lda;
     switch (R) {
-      case 1: micro_buf<1, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
-      case 2: micro_buf<2, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
-      case 3: micro_buf<3, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
-      case 4: micro_buf<4, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
-      case 5: micro_buf<5, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
-      default: micro_buf<6, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf); break;
+      case 1: micro_buf<1, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 2: micro_buf<2, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 3: micro_buf<3, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 4: micro_buf<4, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 5: micro_buf<5, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      default: micro_buf<6, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
     }
     r0 += R;
   }
@@ -503,7 +573,10 @@ void item_groups(const Item& it, int gbase) {
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
-    blocked_rows<NG>(it.buf, 32, NG * 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    // mxfp4's fast decoder leaves the scales to the accumulators (Mx4Dec)
+    const bool rescaled = g.quant == fe::kMXFP4 && !use_exact;
+    blocked_rows<NG>(it.buf, 32, NG * 32, a, g.lda, K2, o, it.p0, it.m, it.pf,
+                     rescaled ? it.tms + gbase * sgb : nullptr, sgb);
     return;
   }
   if (use_exact) {
@@ -549,15 +622,17 @@ inline void pack_tile(int q, const uint8_t* src, int64_t N, int64_t K, int64_t g
         _mm512_storeu_si512(d + j * 64, v);   // pair j of the 16 columns
         continue;
       }
-      if (q == fe::kMXFP4) {   // (b0, b1) -> (lo(b0) | lo(b1) << 4, hi(b0) | hi(b1) << 4) per quad
-        const __m512i s4 = _mm512_srli_epi16(v, 4), s8 = _mm512_srli_epi16(v, 8);
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(v, _mm512_set1_epi16(0x000f)),
-                                           _mm512_and_si512(s4, _mm512_set1_epi16(0x00f0)));
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(s4, _mm512_set1_epi16(0x000f)),
-                                           _mm512_and_si512(s8, _mm512_set1_epi16(0x00f0)));
-        v = _mm512_or_si512(lo, _mm512_slli_epi16(hi, 8));
+      if (q == fe::kMXFP4) {   // bytes b0..b3 (octet j) -> lo(b0..b3) | hi(b0..b3) << 16, 4 bits each
+        const __m512i n4 = _mm512_set1_epi32(0x0f0f0f0f), n8 = _mm512_set1_epi32(0x00ff00ff);
+        auto squeeze = [&](__m512i x) {   // nibbles in the low halves of bytes 0..3 -> bits 0..15
+          x = _mm512_and_si512(_mm512_or_si512(x, _mm512_srli_epi32(x, 4)), n8);
+          return _mm512_and_si512(_mm512_or_si512(x, _mm512_srli_epi32(x, 8)), _mm512_set1_epi32(0xffff));
+        };
+        const __m512i even = squeeze(_mm512_and_si512(v, n4)), odd = squeeze(_mm512_and_si512(_mm512_srli_epi32(v, 4), n4));
+        _mm512_storeu_si512(d + j * 64, _mm512_or_si512(even, _mm512_slli_epi32(odd, 16)));
+        continue;
       }
-      // fp8: pairs 2j, 2j+1; mxfp4: quads 2j, 2j+1 (32 bytes each)
+      // fp8: pairs 2j, 2j+1 (32 bytes each)
       _mm256_storeu_si256((__m256i*)(d + 2 * j * 32), _mm512_cvtepi32_epi16(v));
       _mm256_storeu_si256((__m256i*)(d + (2 * j + 1) * 32), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
     }
@@ -627,7 +702,7 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratc
       pf.p = reinterpret_cast<const char*>(g.w + e1 * N16 * gb + t1 * fe::kTileGroups * gb);
       pf.end = pf.p + ng1 * gb;
       const int64_t passes = it.blocked ? 1 + fe::cdiv(m, kBlockedRows) : fe::cdiv(m, kTinyRows);
-      const int64_t steps = imax_(1, passes * K2 / 2);   // done by mid-item (mxfp4 steps 2 pairs)
+      const int64_t steps = imax_(1, passes * K2 / (q == fe::kMXFP4 ? 4 : 2));   // done by mid-item (mxfp4 steps 4 pairs)
       pf.lines = int(fe::cdiv(fe::cdiv(ng1 * gb, 64), steps));
     }
     const float* escale = q == fe::kFP8 ? static_cast<const float*>(g.scale) + e * nbn * nbk : nullptr;

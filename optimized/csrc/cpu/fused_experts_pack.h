@@ -5,11 +5,13 @@
 // one tile at a time into scratch), so both layouts give the same bytes and flags.
 //
 // A weight W[E][N][K] (N outputs, K inputs) is cut into groups of 16 output columns; a
-// group holds the whole K range as consecutive pairs (bf16, fp8) or quads (mxfp4):
+// group holds the whole K range as consecutive pairs (bf16, fp8) or octets (mxfp4):
 //   bf16 / fp8: group g, pair kk: 16 columns x 2 k, element (c, p) = W[16g + c][2kk + p]
 //               (64 bytes bf16, 32 bytes fp8)
-//   mxfp4:      group g, quad q: 32 bytes, byte 2c + p = code(16g+c, 4q+p)
-//                                                  | code(16g+c, 4q+2+p) << 4
+//   mxfp4:      group g, octet o (k = 8o .. 8o+7): 64 bytes, 16 little-endian dwords; dword c
+//               holds column 16g+c: nibble i (bits 4i..4i+3) = code(16g+c, 8o + 2i) and
+//               nibble 4+i (bits 16+4i..) = code(16g+c, 8o + 2i + 1), i = 0..3. So the dword
+//               shifted right by 4i, per 16-bit half, has pair 4o+i's codes in its low nibbles.
 //               scales: group g, 32-block b: 16 bytes, byte c = e8m0 of W[16g + c][32b..]
 // Columns past N and the k past an odd K hold zero codes (mxfp4 padding scales: 127).
 // A tile is 4 consecutive groups (64 columns), the unit of work.
@@ -29,6 +31,7 @@ constexpr int64_t kTileGroups = 4;   // groups per tile
 constexpr int64_t kTileN = kGroupN * kTileGroups;
 constexpr int64_t kFp8Block = 128;
 constexpr int64_t kMxBlock = 32;
+constexpr int kMxFastLo = 127 - 32, kMxFastHi = 127 + 32;   // mxfp4 scale bytes of the fast path
 
 inline int64_t cdiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 inline int64_t n16(int64_t N) { return cdiv(N, kGroupN); }
@@ -37,7 +40,7 @@ inline int64_t n_tiles(int64_t N) { return cdiv(N, kTileN); }
 
 // Bytes of one packed group (16 columns x all of K).
 inline int64_t group_bytes(int q, int64_t K) {
-  return q == kBF16 ? k2(K) * 64 : q == kFP8 ? k2(K) * 32 : (K / 4) * 32;
+  return q == kBF16 ? k2(K) * 64 : q == kFP8 ? k2(K) * 32 : (K / 8) * 64;
 }
 inline int64_t expert_bytes(int q, int64_t N, int64_t K) { return n16(N) * group_bytes(q, K); }
 // Bytes of one row of a standard-layout weight.
@@ -69,7 +72,7 @@ inline void pack_groups(int q, const uint8_t* src, int64_t N, int64_t K, int64_t
         } else if (q == kFP8) {
           for (int64_t kk = 0; kk < P; ++kk) std::memset(d + kk * 32 + 2 * c, 0, 2);
         } else {
-          for (int64_t qd = 0; qd < K / 4; ++qd) std::memset(d + qd * 32 + 2 * c, 0, 2);
+          for (int64_t o = 0; o < K / 8; ++o) std::memset(d + o * 64 + 4 * c, 0, 4);
         }
         continue;
       }
@@ -94,11 +97,14 @@ inline void pack_groups(int q, const uint8_t* src, int64_t N, int64_t K, int64_t
           o[1] = 2 * kk + 1 < K ? s[2 * kk + 1] : uint8_t(0);
         }
       } else {
-        for (int64_t qd = 0; qd < K / 4; ++qd) {
-          const uint8_t b0 = s[2 * qd], b1 = s[2 * qd + 1];   // codes 4q, 4q+1 | 4q+2, 4q+3
-          uint8_t* o = d + qd * 32 + 2 * c;
-          o[0] = uint8_t((b0 & 0x0f) | ((b1 & 0x0f) << 4));
-          o[1] = uint8_t((b0 >> 4) | (b1 & 0xf0));
+        for (int64_t o = 0; o < K / 8; ++o) {
+          uint32_t even = 0, odd = 0;   // byte 4o+i of the row: code(8o+2i) | code(8o+2i+1) << 4
+          for (int i = 0; i < 4; ++i) {
+            even |= uint32_t(s[4 * o + i] & 0x0f) << (4 * i);
+            odd |= uint32_t(s[4 * o + i] >> 4) << (4 * i);
+          }
+          const uint32_t dw = even | odd << 16;
+          std::memcpy(d + o * 64 + 4 * c, &dw, 4);   // little-endian, as the decoders read it
         }
       }
     }
@@ -121,8 +127,12 @@ inline void pack_mx_scales(const uint8_t* src, int64_t N, int64_t K, int64_t g0,
 //   fp8:   a NaN code (0x7f / 0xff) in the tile, or a scale of the tile's 128-row block
 //          whose scale * 256 is not finite (|scale| >= 2^120, inf or NaN: the fast path
 //          multiplies by scale * 256, and would turn the zero padding of an odd K into NaN);
-//   mxfp4: a scale byte outside [2, 252] (the fast exponent add would leave the normal
-//          bf16 range: subnormal, inf, or s = 255 NaN).
+//   mxfp4: a scale byte outside [kMxFastLo, kMxFastHi] = [95, 159], i.e. 2^e with |e| > 32.
+//          The fast path keeps the f32 accumulator in units of the current block's scale
+//          (acc * 2^-e, fused_experts_kernel.h), which is exact only while that product is
+//          a normal f32: |e| <= 32 leaves 2^94 of headroom either side of any output a real
+//          model makes (their scales lie within a few binades of 2^0), and s = 255 (NaN),
+//          0 and 1 (subnormal scales) go to the exact decoder as before.
 // w: the tile's ng packed groups; fp8_scale: the expert's [ceil(N/128)][ceil(K/128)] f32
 // scales; mx_scales: the tile's packed scales. A pure function of codes and scales.
 inline bool tile_needs_slow(int q, const uint8_t* w, int64_t ng, int64_t K, int64_t tile,
@@ -141,7 +151,7 @@ inline bool tile_needs_slow(int q, const uint8_t* w, int64_t ng, int64_t K, int6
   }
   const int64_t nbytes = ng * mx_scale_group_bytes(K);
   for (int64_t i = 0; i < nbytes; ++i)
-    if (mx_scales[i] < 2 || mx_scales[i] > 252) return true;
+    if (mx_scales[i] < kMxFastLo || mx_scales[i] > kMxFastHi) return true;
   return false;
 }
 
