@@ -37,11 +37,16 @@
 // T = 8: the hardware prefetchers stop at 4 KiB pages, and with more work per byte fewer
 // demand misses are in flight), and at T > 4 the memory was idle while the token blocks after
 // the first re-read the block from L2.
-//   Measured (1 thread, CPU time, interleaved with the peers in one process, cold weights,
-//   machine shared with another job, load average 3.3-3.6 on 2 cores): the prefetch and the
-//   4 x 6 tile took T = 1 / 4 / 8 / 32 from 0.99 / 0.76 / 0.74 / 0.88x zentorch's linear to
-//   1.3 / 1.1-1.2 / 1.1 / 1.0-1.1x; at T = 32 the kernel is compute-bound (L2-resident weights:
-//   ~100 GFLOP/s, whether x is bf16 or f32, so the widening is not what limits it).
+//   Measured (python -m experiments.bench --ops router_gemm --quick --peers, two runs, the
+//   machine shared with another job, load average 1.6-2.2 on 2 cores; ratios vs zentorch's
+//   linear): 1 thread, T = 1 / 4 / 8 / 32: 1.26-1.46 / 1.09 / 1.02-1.06 / 0.96-0.98x (was
+//   1.00 / 0.74 / 0.71 / 0.87x in the committed run); vs vLLM's oneDNN 1.80 / 1.20-1.25 /
+//   1.32-1.34 / 1.01-1.02x. 2 threads: 1.37-1.61 / 1.48-1.52 / 1.64-1.91 / 1.30-1.38x vs
+//   zentorch. Weights now stream at 18-22 GB/s for T <= 8 on one thread (T = 8 was 11.7).
+//   T = 32 on one thread is compute-bound: with L2-resident weights the tile runs at only
+//   ~100 GFLOP/s, whether x is bf16 or f32 (so the widening is not what limits it), about
+//   half the assumed peak: 6 weight + 4 x loads per 24 FMAs, all missing L1, is the likely
+//   limit (not confirmed).
 //   Tried and dropped: blocking H in 128..512-element slices with the accumulators of all
 //   token blocks kept in a per-thread scratch between slices (so a weight slice is read once
 //   for all tokens from L1): 1.1-1.8x SLOWER at T = 8 and 32 than the whole-H tile. Widening
