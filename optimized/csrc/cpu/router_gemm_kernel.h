@@ -44,12 +44,13 @@
 //   1.32-1.34 / 1.01-1.02x. 2 threads: 1.37-1.61 / 1.48-1.52 / 1.64-1.91 / 1.30-1.38x vs
 //   zentorch. Weights now stream at 18-22 GB/s for T <= 8 on one thread (T = 8 was 11.7).
 //   T = 32 on one thread is compute-bound: with L2-resident weights the tile runs at only
-//   ~100 GFLOP/s, whether x is bf16 or f32 (so the widening is not what limits it), about
-//   half the assumed peak: 6 weight + 4 x loads per 24 FMAs, all missing L1, is the likely
+//   ~100 GFLOP/s, whether x is bf16 or f32 (so the widening is not what limits it), ~40%
+//   of the assumed peak: 6 weight + 4 x loads per 24 FMAs, all missing L1, is the likely
 //   limit (not confirmed).
 //   Tried and dropped: blocking H in 128..512-element slices with the accumulators of all
 //   token blocks kept in a per-thread scratch between slices (so a weight slice is read once
-//   for all tokens from L1): 1.1-1.8x SLOWER at T = 8 and 32 than the whole-H tile. Widening
+//   for all tokens from L1; a first implementation, whose
+//   accumulators round-tripped through the stack twice per slice): 1.1-1.8x SLOWER at T = 8 and 32 than the whole-H tile. Widening
 //   x once into an f32 copy would break the fused-cast contract and gains nothing measurable.
 #include "isa_begin.h"
 
