@@ -89,6 +89,20 @@ def test_batch_invariant_and_thread_count_independent(level):
     assert torch.equal(one, full)
 
 
+@pytest.mark.parametrize("H", [64, 3072, 3072 + 7])
+def test_every_tile_shape_bitwise_equals_per_token_calls(level, H):
+    # T covers every token-tile remainder (1..4 tokens) and several token blocks (whose
+    # prefetch duties differ); E = 13 gives full and partial expert blocks; H = 3079 has a
+    # tail chunk at every level (H % 16 == 7, H % 8 == 7).
+    g = torch.Generator().manual_seed(H)
+    w = torch.randn(13, H, generator=g)
+    for dtype in (torch.bfloat16, torch.float32):
+        x = torch.randn(33, H, generator=g).to(dtype)
+        one = torch.cat([torch.ops.moelab.router_gemm(x[t:t + 1], w) for t in range(33)])
+        for T in [*range(1, 10), 17, 33]:
+            assert torch.equal(torch.ops.moelab.router_gemm(x[:T], w), one[:T]), (dtype, T)
+
+
 def test_dispatch_library_above_crossover_and_invariant_mode():
     x, w = torch.randn(64, 32).bfloat16(), torch.randn(8, 32)
     assert optimized.dispatch.explain("router_gemm", x, w).kernel == "library"

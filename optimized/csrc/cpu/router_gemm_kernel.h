@@ -1,68 +1,135 @@
 // router_gemm: logits[T,E] (f32) = upcast(x[T,H]) @ weight[E,H].T, f32 accumulation.
 //
-// The cast is fused into the load: bf16/f16 rows of x widen to f32 in registers, so no f32
-// copy of x is ever written (seed 001's point). A thread owns a contiguous range of
-// experts and streams each weight row from memory once for all T tokens: it walks 4 weight
-// rows at a time and, for each block of up to 4 tokens, keeps 4x4 vector accumulators.
-// Weight rows of the current block stay in L1/L2 across token blocks, x (T*H*2 bytes) stays
-// in L2.
+// Data layout. x [T,H] bf16/f16/f32, unit stride along H, rows ldx elements apart (read in
+// place); weight [E,H] f32 row-major, contiguous; out [T,E] f32.
 //
-// Cost: bytes = E*H*4 (weight, once) + T*H*sizeof(x) + T*E*4; flops = 2*T*E*H. For decode
-// (T <= 32) the weight read dominates: at H=3072, E=256 that is 3.1 MB, ~0.1 ms at 30 GB/s.
+// Algorithm. The cast is fused into the load: bf16/f16 rows of x widen to f32 in registers,
+// so no f32 copy of x is ever written (seed 001's point). A thread owns a contiguous range of
+// experts (the binding hands them out in multiples of 4) and walks it kNE weight rows at a
+// time (6 on AVX-512, 4 on AVX2 / scalar). For each block of up to kNT = 4 tokens it keeps
+// 4 x kNE vector accumulators over the whole of H (AVX-512: 24 accumulators + 6 weight
+// vectors + 1 x vector = 31 of the 32 registers), so the weight rows are read once from
+// memory for the first token block and from L2 for the next ones (a block of 6 rows of
+// H = 3072 is 72 KiB); x stays in L2. Every weight-row step of 64 bytes also prefetches (into
+// L2) the NEXT block's rows at the same offset, a whole block ahead; when there are several
+// token blocks the next block's rows are shared out among them (token block k prefetches rows
+// k, k + nt, ...), so the memory stream keeps running while each token block computes.
 //
-// Reduction order of out[t,e]: lanes of vector chunks along H in increasing h, then one
-// horizontal sum. It depends on H and the ISA only, never on T or on the other tokens, so
-// the kernel is batch invariant.
+// Reduction order of out[t,e] (batch invariance): lane l of the accumulator sums the chunks
+// h = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 1 scalar) in increasing c, one f32 FMA
+// per lane per chunk, the zero-padded tail chunk last; then one horizontal sum (vsum). It
+// depends on H and the ISA only, never on T, on the tile a token or expert lands in, on the
+// other tokens or on the thread split, so the kernel is batch invariant.
+//
+// Cost: bytes = E*H*4 (weight, once) + T*H*sizeof(x) + T*E*4; flops = 2*T*E*H. No scratch.
+// Floors at H = 3072, E = 256, bf16 x, weights cold (this machine, AMD EPYC Zen 5, 2 cores:
+// read bandwidth 19.2 GB/s on 1 thread, 34.8 GB/s on 2, from the committed
+// experiments/results/amd-epyc-2c/bench_peers.txt; f32 FMA peak taken as 2 x 16-lane FMA per
+// cycle at the ~8e9 vector instructions/s per core measured for skinny_gemm, 256 GFLOP/s):
+//     T     bytes     memory floor 1 / 2 thr    flops     compute floor 1 / 2 thr
+//     1    3.15 MB       164 / 91 us           1.6 M          6 / 3 us
+//     4    3.17 MB       165 / 91 us           6.3 M         25 / 12 us
+//     8    3.20 MB       167 / 92 us          12.6 M         49 / 25 us
+//    32    3.38 MB       176 / 97 us          50.3 M        197 / 98 us
+// So T <= 8 is memory-bound and T = 32 sits where both floors meet: what matters is that the
+// weight stream never stops while the products run. The previous 4 x 4 tile, without
+// software prefetch, streamed slower as T grew (18.4 GB/s at T = 1, 14.7 at T = 4, 11.7 at
+// T = 8: the hardware prefetchers stop at 4 KiB pages, and with more work per byte fewer
+// demand misses are in flight), and at T > 4 the memory was idle while the token blocks after
+// the first re-read the block from L2.
+//   Measured (python -m experiments.bench --ops router_gemm --quick --peers, two runs, the
+//   machine shared with another job, load average 1.6-2.2 on 2 cores; ratios vs zentorch's
+//   linear): 1 thread, T = 1 / 4 / 8 / 32: 1.26-1.46 / 1.09 / 1.02-1.06 / 0.96-0.98x (was
+//   1.00 / 0.74 / 0.71 / 0.87x in the committed run); vs vLLM's oneDNN 1.80 / 1.20-1.25 /
+//   1.32-1.34 / 1.01-1.02x. 2 threads: 1.37-1.61 / 1.48-1.52 / 1.64-1.91 / 1.30-1.38x vs
+//   zentorch. Weights now stream at 18-22 GB/s for T <= 8 on one thread (T = 8 was 11.7).
+//   T = 32 on one thread is compute-bound: with L2-resident weights the tile runs at only
+//   ~100 GFLOP/s, whether x is bf16 or f32 (so the widening is not what limits it), ~40%
+//   of the assumed peak: 6 weight + 4 x loads per 24 FMAs, all missing L1, is the likely
+//   limit (not confirmed).
+//   Tried and dropped: blocking H in 128..512-element slices with the accumulators of all
+//   token blocks kept in a per-thread scratch between slices (so a weight slice is read once
+//   for all tokens from L1; a first implementation, whose accumulators round-tripped
+//   through the stack twice per slice): 1.1-1.8x SLOWER at T = 8 and 32 than the whole-H
+//   tile. Widening x once into an f32 copy would break the fused-cast contract, and an f32
+//   x runs no faster through this tile (above).
 #include "isa_begin.h"
 
 namespace moelab::cpu::MOELAB_ISA_NS {
 namespace {
 
+constexpr int kNT = 4;          // tokens per tile
+#if MOELAB_ISA_LEVEL >= 2
+constexpr int kNE = 6;          // experts per tile: 4 x 6 = 24 accumulators + 6 weight vectors + x
+#else
+constexpr int kNE = 4;
+#endif
+constexpr int64_t kLineF = 16;  // f32 per 64-byte cache line
 
-// NT tokens x up to 4 experts (ne of them valid) of the output.
-template <Fmt F, int NT>
-inline void tile(const char* x, int64_t ldx_bytes, const float* w, int64_t H, int ne,
-                 float* out, int64_t ldo) {
-  vf acc[NT][4];
+// NT tokens x up to kNE experts of the output (ne valid; Full: ne == kNE), over all of H.
+// Each 64-byte step of the weight rows also prefetches, into L2, pf_n rows of the NEXT
+// expert block at the same offset: pf, pf + pf_stride, ...
+template <Fmt F, int NT, bool Full>
+inline void tile(const char* x, int64_t ldx_b, const float* w, int64_t H, int ne,
+                 const float* pf, int pf_n, int64_t pf_stride, float* out, int64_t ldo) {
+  vf acc[NT][kNE];
   for (int t = 0; t < NT; ++t)
-    for (int j = 0; j < 4; ++j) acc[t][j] = vzero();
+    for (int j = 0; j < kNE; ++j) acc[t][j] = vzero();
   int64_t h = 0;
   for (; h + kVecF <= H; h += kVecF) {
-    vf wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = j < ne ? vload(w + j * H + h) : vzero();
+    if (kVecF >= kLineF || h % kLineF == 0)
+      for (int r = 0; r < pf_n; ++r) __builtin_prefetch(pf + r * pf_stride + h, 0, 2);
+    vf wv[kNE];
+    for (int j = 0; j < kNE; ++j) wv[j] = (Full || j < ne) ? vload(w + j * H + h) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = vload_as<F>(x + t * ldx_bytes, h);
-      for (int j = 0; j < 4; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
+      vf xv = vload_as<F>(x + t * ldx_b, h);
+      for (int j = 0; j < kNE; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }
-  if (h < H) {
-    int n = int(H - h);
-    vf wv[4];
-    for (int j = 0; j < 4; ++j) wv[j] = j < ne ? vload(w + j * H + h, n) : vzero();
+  if (h < H) {                  // zero-padded tail chunk
+    const int n = int(H - h);
+    vf wv[kNE];
+    for (int j = 0; j < kNE; ++j) wv[j] = (Full || j < ne) ? vload(w + j * H + h, n) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = vload_as<F>(x + t * ldx_bytes, h, n);
-      for (int j = 0; j < 4; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
+      vf xv = vload_as<F>(x + t * ldx_b, h, n);
+      for (int j = 0; j < kNE; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }
   for (int t = 0; t < NT; ++t)
     for (int j = 0; j < ne; ++j) out[t * ldo + j] = vsum(acc[t][j]);
 }
 
+template <Fmt F, int NT>
+inline void tile_any(const char* x, int64_t ldx_b, const float* w, int64_t H, int ne,
+                     const float* pf, int pf_n, int64_t pf_stride, float* out, int64_t ldo) {
+  if (ne == kNE) tile<F, NT, true>(x, ldx_b, w, H, ne, pf, pf_n, pf_stride, out, ldo);
+  else tile<F, NT, false>(x, ldx_b, w, H, ne, pf, pf_n, pf_stride, out, ldo);
+}
+
 template <Fmt F>
 void run(const void* x, int64_t ldx, const float* w, float* out, int64_t T, int64_t H,
          int64_t E, int64_t e0, int64_t e1) {
   const char* xb = static_cast<const char*>(x);
-  const int64_t ldx_bytes = ldx * fmt_size(F);
-  for (int64_t e = e0; e < e1; e += 4) {
-    int ne = int(imin_(4, e1 - e));
+  const int64_t ldx_b = ldx * fmt_size(F);
+  const int64_t nt = (T + kNT - 1) / kNT;              // token tiles
+  for (int64_t e = e0; e < e1; e += kNE) {
+    const int ne = int(imin_(kNE, e1 - e));
     const float* we = w + e * H;
-    int64_t t = 0;
-    for (; t + 4 <= T; t += 4) tile<F, 4>(xb + t * ldx_bytes, ldx_bytes, we, H, ne, out + t * E + e, E);
-    switch (T - t) {
-      case 3: tile<F, 3>(xb + t * ldx_bytes, ldx_bytes, we, H, ne, out + t * E + e, E); break;
-      case 2: tile<F, 2>(xb + t * ldx_bytes, ldx_bytes, we, H, ne, out + t * E + e, E); break;
-      case 1: tile<F, 1>(xb + t * ldx_bytes, ldx_bytes, we, H, ne, out + t * E + e, E); break;
-      default: break;
+    const int ne_next = int(imax_(0, imin_(kNE, e1 - e - kNE)));   // rows of the next block
+    for (int64_t k = 0; k < nt; ++k) {
+      // Tile k prefetches the next block's rows k, k + nt, ... (spread over the token tiles,
+      // so the memory stream runs while every tile computes).
+      const int pf_n = k < ne_next ? int((ne_next - k + nt - 1) / nt) : 0;
+      const float* pf = pf_n > 0 ? we + (kNE + k) * H : we;
+      const int64_t t = k * kNT;
+      const char* xt = xb + t * ldx_b;
+      float* ot = out + t * E + e;
+      switch (imin_(kNT, T - t)) {
+        case 4: tile_any<F, 4>(xt, ldx_b, we, H, ne, pf, pf_n, nt * H, ot, E); break;
+        case 3: tile_any<F, 3>(xt, ldx_b, we, H, ne, pf, pf_n, nt * H, ot, E); break;
+        case 2: tile_any<F, 2>(xt, ldx_b, we, H, ne, pf, pf_n, nt * H, ot, E); break;
+        default: tile_any<F, 1>(xt, ldx_b, we, H, ne, pf, pf_n, nt * H, ot, E); break;
+      }
     }
   }
 }
