@@ -22,37 +22,27 @@
 // other tokens or on the thread split, so the kernel is batch invariant.
 //
 // Cost: bytes = E*H*4 (weight, once) + T*H*sizeof(x) + T*E*4; flops = 2*T*E*H. No scratch.
-// Floors at H = 3072, E = 256, bf16 x, weights cold (this machine, AMD EPYC Zen 5, 2 cores:
-// read bandwidth 19.2 GB/s on 1 thread, 34.8 GB/s on 2, from the committed
-// experiments/results/amd-epyc-2c/bench_peers.txt; f32 FMA peak taken as 2 x 16-lane FMA per
-// cycle at the ~8e9 vector instructions/s per core measured for skinny_gemm, 256 GFLOP/s):
+// Floors at H = 3072, E = 256, bf16 x, weights cold, on the 2-core Zen 5 EPYC: read bandwidth
+// 19.2 GB/s on 1 thread, 34.8 GB/s on 2 (experiments/results/amd-epyc-2c/bench_peers.txt);
+// 512-bit f32 FMA peak 112-115 GFLOP/s per core (one FMA per ~0.28 ns,
+// experiments/results/amd-epyc-2c/dpbf16_peak.txt):
 //     T     bytes     memory floor 1 / 2 thr    flops     compute floor 1 / 2 thr
-//     1    3.15 MB       164 / 91 us           1.6 M          6 / 3 us
-//     4    3.17 MB       165 / 91 us           6.3 M         25 / 12 us
-//     8    3.20 MB       167 / 92 us          12.6 M         49 / 25 us
-//    32    3.38 MB       176 / 97 us          50.3 M        197 / 98 us
-// So T <= 8 is memory-bound and T = 32 sits where both floors meet: what matters is that the
-// weight stream never stops while the products run. The previous 4 x 4 tile, without
-// software prefetch, streamed slower as T grew (18.4 GB/s at T = 1, 14.7 at T = 4, 11.7 at
-// T = 8: the hardware prefetchers stop at 4 KiB pages, and with more work per byte fewer
-// demand misses are in flight), and at T > 4 the memory was idle while the token blocks after
-// the first re-read the block from L2.
-//   Measured (python -m experiments.bench --ops router_gemm --quick --peers, two runs, the
-//   machine shared with another job, load average 1.6-2.2 on 2 cores; ratios vs zentorch's
-//   linear): 1 thread, T = 1 / 4 / 8 / 32: 1.26-1.46 / 1.09 / 1.02-1.06 / 0.96-0.98x (was
-//   1.00 / 0.74 / 0.71 / 0.87x in the committed run); vs vLLM's oneDNN 1.80 / 1.20-1.25 /
-//   1.32-1.34 / 1.01-1.02x. 2 threads: 1.37-1.61 / 1.48-1.52 / 1.64-1.91 / 1.30-1.38x vs
-//   zentorch. Weights now stream at 18-22 GB/s for T <= 8 on one thread (T = 8 was 11.7).
-//   T = 32 on one thread is compute-bound: with L2-resident weights the tile runs at only
-//   ~100 GFLOP/s, whether x is bf16 or f32 (so the widening is not what limits it), ~40%
-//   of the assumed peak: 6 weight + 4 x loads per 24 FMAs, all missing L1, is the likely
-//   limit (not confirmed).
+//     1    3.15 MB       164 / 91 us           1.6 M         14 / 7 us
+//     4    3.17 MB       165 / 91 us           6.3 M         56 / 28 us
+//     8    3.20 MB       167 / 92 us          12.6 M        111 / 56 us
+//    32    3.38 MB       176 / 97 us          50.3 M        445 / 223 us
+// So T <= 8 is memory-bound, and what matters is that the weight stream never stops while
+// the products run; T = 32 is compute-bound on one thread (a 4 x 6 tile is 24 FMAs per 6
+// weight and 4 x loads, well inside the load ports). The 4 x 4 tile before, without software
+// prefetch, streamed slower as T grew (18.4 GB/s at T = 1, 14.7 at T = 4, 11.7 at T = 8:
+// the hardware prefetchers stop at 4 KiB pages, and with more work per byte fewer demand
+// misses are in flight), and at T > 4 the memory was idle while the token blocks after the
+// first re-read the block from L2. Peer ratios: docs/performance.md.
 //   Tried and dropped: blocking H in 128..512-element slices with the accumulators of all
 //   token blocks kept in a per-thread scratch between slices (so a weight slice is read once
-//   for all tokens from L1; a first implementation, whose accumulators round-tripped
-//   through the stack twice per slice): 1.1-1.8x SLOWER at T = 8 and 32 than the whole-H
-//   tile. Widening x once into an f32 copy would break the fused-cast contract, and an f32
-//   x runs no faster through this tile (above).
+//   for all tokens from L1; accumulators round-tripped through the stack twice per slice):
+//   1.1-1.8x slower at T = 8 and 32 than the whole-H tile. Widening x once into an f32 copy
+//   would break the fused-cast contract, and an f32 x runs no faster through this tile.
 #include "isa_begin.h"
 
 namespace moelab::cpu::MOELAB_ISA_NS {
