@@ -8,9 +8,13 @@ of the row's own memory floor, measured in the same run. Each row says which flo
   cache  the bytes fit in the last-level cache, and the repeated calls of a benchmark keep the
          inputs resident: the floor is timing.cache_bandwidth(bytes), the faster of a sum and a
          copy over a working set of that size (at least 1 MiB), measured in the same run;
-  dram   the bytes exceed the last-level cache: the floor is the faster of the read bandwidth of a
-         large (256 MB) f32 sum and timing.cache_bandwidth(bytes) (just above the cache size part
-         of the working set still stays resident between calls, for the kernel as for the probe).
+  dram   the bytes exceed the last-level cache: the floor is the faster of timing.read_bandwidth()
+         and timing.cache_bandwidth(bytes) (just above the cache size part of the working set
+         still stays resident between calls, for the kernel as for the probe). read_bandwidth is
+         the streaming-read probe moelab::read_stream over 256 MiB in transparent huge pages (the
+         best over its streams per thread and prefetch distances): the most a read-only stream
+         gets here. The header also prints the old probe, a torch f32 sum over 4 KiB pages,
+         which our fp8 decode kernel outran (115% of it).
 A DRAM floor on cache-resident inputs is no floor (earlier runs printed 106-316% of it for
 skinny_gemm and permute); tests/test_bench_floors.py holds every committed row to <= 100% of its own.
 
@@ -75,7 +79,8 @@ def floor_of(nbytes: int) -> tuple[str, float]:
 
 
 def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[dict]:
-    timing._read_bw = None                  # measured anew for every run
+    timing._read_bw.clear()                 # measured anew for every run
+    timing._read_bw_sum.clear()
     timing._cache_bw.clear()
     bw = timing.read_bandwidth()
     rows = []
@@ -139,7 +144,9 @@ def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
 def print_table(rows: list[dict], file=sys.stdout) -> None:
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}; "
-          f"read bandwidth {timing.read_bandwidth() / 1e9:.1f} GB/s (same run); floor = the row's own: dram "
+          f"read bandwidth {timing.read_bandwidth() / 1e9:.1f} GB/s (moelab::read_stream, 256 MiB in huge pages, "
+          f"best of {len(timing.STREAMS) * len(timing.PREFETCH)} stream/prefetch settings; a torch f32 sum over 4 KiB pages: "
+          f"{timing.read_bandwidth_torch_sum() / 1e9:.1f} GB/s; same run); floor = the row's own: dram "
           f"(the read bandwidth) or cache (inputs resident, the cache bandwidth at that size, same run)", file=file)
     hdr = (f"{'op':<14}{'point':<34}{'eager us':>10}{'ours us':>10}{'speedup (min..max)':>22}{'target':>8}"
            f"{'GB/s':>8}{'floor GB/s':>12}{'of floor':>10}")

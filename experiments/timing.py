@@ -19,6 +19,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 from pathlib import Path
 from dataclasses import dataclass, field
 from typing import Callable
@@ -88,17 +89,104 @@ def ratio(base: Timing, other: Timing) -> tuple[float, float, float]:
     return statistics.median(r), min(r), max(r)
 
 
-_read_bw: float | None = None
+# ------------------------------------------------------------------- the DRAM read floor
+_HUGE = 2 << 20                      # a transparent huge page (x86-64)
+_MADV_HUGEPAGE, _MADV_NOHUGEPAGE = 14, 15
+STREAMS = (1, 2, 4, 8, 16)           # read_stream's streams per thread that read_bandwidth tries,
+PREFETCH = (0, 16)                   # each without and with a software prefetch (blocks ahead)
 
 
-def read_bandwidth(nbytes: int = 256 << 20) -> float:
-    """Memory read bandwidth in bytes/s on this run's threads (a large f32 sum, median)."""
-    global _read_bw
-    if _read_bw is None:
+def stream_buffer(nbytes: int, huge: bool = True, fill: int = 1) -> torch.Tensor:
+    """A contiguous uint8 tensor of nbytes whose 2 MiB-aligned body is advised before its first
+    write as transparent huge pages (huge=True: madvise MADV_HUGEPAGE, as the packed expert
+    weights are) or as 4 KiB pages (MADV_NOHUGEPAGE), then filled with `fill`. The advice is
+    only advice (Linux; a no-op elsewhere or where THP is off): `huge_page_bytes` says what the
+    kernel gave."""
+    raw = torch.empty(int(nbytes) + _HUGE, dtype=torch.uint8)
+    p = raw.data_ptr()
+    a = (p + _HUGE - 1) // _HUGE * _HUGE
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            libc.madvise(a, (int(nbytes) + _HUGE - 1) // _HUGE * _HUGE,
+                         _MADV_HUGEPAGE if huge else _MADV_NOHUGEPAGE)
+        except (OSError, AttributeError):
+            pass
+    buf = raw[a - p: a - p + int(nbytes)]
+    buf.fill_(fill)
+    return buf
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding t's middle byte that are backed by transparent huge pages
+    (AnonHugePages in /proc/self/smaps); -1 where that cannot be read."""
+    addr = t.data_ptr() + t.numel() * t.element_size() // 2
+    try:
+        inside = False
+        for line in open("/proc/self/smaps"):
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(v, 16) for v in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and head == "AnonHugePages:":
+                return int(line.split()[1]) << 10
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def read_stream_timings(buf: torch.Tensor, streams=STREAMS, prefetch=PREFETCH, rounds: int = 3,
+                        min_time: float = 0.05) -> dict[tuple[int, int], Timing]:
+    """Per (streams per thread S, prefetch distance in blocks): the time of one
+    moelab::read_stream pass over buf on this run's threads (interleaved rounds, `compare`).
+    One call is checked first against the buffer's byte sum (torch), so a probe that skipped
+    bytes would raise rather than time."""
+    import optimized   # noqa: F401  (builds and loads the extension: registers torch.ops.moelab)
+    op = torch.ops.moelab.read_stream
+    want = int(buf.sum(dtype=torch.int64))
+    got = op(buf, 1, 0)
+    if got != want:
+        raise RuntimeError(f"moelab::read_stream read {got}, the buffer sums to {want}")
+    return compare({(s, d): (lambda s=s, d=d: op(buf, s, d)) for d in prefetch for s in streams},
+                   rounds=rounds, min_time=min_time)
+
+
+_read_bw: dict[tuple[int, int], float] = {}
+_read_bw_sum: dict[tuple[int, int], float] = {}
+
+
+def read_bandwidth(nbytes: int = 256 << 20, rounds: int = 3, min_time: float = 0.05) -> float:
+    """The DRAM read floor in bytes/s on this run's threads: the most a read-only stream gets
+    on this machine. Measured with moelab::read_stream (csrc/torch/bench_probe.cpp), a probe
+    that only reads: 64-byte vector loads over a buffer of nbytes (far above the last-level
+    cache) in transparent huge pages (where the packed weights live), split across the torch
+    threads and, per thread, over S interleaved streams so each core keeps many misses in flight,
+    with and without a software prefetch ahead of each stream. The best over S in STREAMS and
+    the prefetch distances in PREFETCH of the median over interleaved rounds. No kernel that must read
+    those bytes can read them faster, so a bench row's fraction of it is at most 1 up to noise.
+    (The earlier probe, a torch f32 sum over 4 KiB pages, is `read_bandwidth_torch_sum`: our
+    fp8 decode kernel read 115% of it.) Memoized per (nbytes, threads) for the run;
+    experiments.bench clears it before each table."""
+    key = (int(nbytes), torch.get_num_threads())
+    if key not in _read_bw:
+        buf = stream_buffer(nbytes, huge=True)
+        t = read_stream_timings(buf, rounds=rounds, min_time=min_time)
+        _read_bw[key] = max(nbytes / v.median for v in t.values())
+    return _read_bw[key]
+
+
+def read_bandwidth_torch_sum(nbytes: int = 256 << 20) -> float:
+    """The old read-bandwidth probe, kept for comparison: bytes/s of a torch f32 sum over
+    nbytes in ordinary (4 KiB) pages on this run's threads, median of 3 rounds. Not a floor:
+    torch's sum reads slower than a kernel streaming huge pages (see read_bandwidth)."""
+    key = (int(nbytes), torch.get_num_threads())
+    if key not in _read_bw_sum:
         x = torch.ones(nbytes // 4, dtype=torch.float32)
         t = compare({"sum": lambda: x.sum()}, rounds=3, min_time=0.2)["sum"].median
-        _read_bw = nbytes / t
-    return _read_bw
+        _read_bw_sum[key] = nbytes / t
+    return _read_bw_sum[key]
 
 
 def llc_bytes() -> int:

@@ -19,6 +19,7 @@ from .route import route  # noqa: E402,F401
 from .permute import Permuted, PermuteScratch, permute, unpermute  # noqa: E402,F401
 from .gate_gemm import FusedGate, fused_gate_gemm, skinny_gemm, unquantized_gemm  # noqa: E402,F401
 from .fused_experts import PackedMoEWeights, fused_experts, fused_experts_rows, prepack_moe_weights  # noqa: E402,F401
+from . import bench_probe  # noqa: E402,F401  (moelab::read_stream's fake: a measurement tool)
 
 
 def backend_info() -> dict[str, str]:

@@ -28,6 +28,7 @@ def fake_cases(monkeypatch):
              Case("fake", "point B (no peers)", _sleeper(1e-3), _sleeper(1e-3), nbytes=10 ** 6)]
     monkeypatch.setattr(bench, "discover", lambda: {"fake": lambda quick: cases})
     monkeypatch.setattr(timing, "read_bandwidth", lambda nbytes=0: 1e10)
+    monkeypatch.setattr(timing, "read_bandwidth_torch_sum", lambda nbytes=0: 0.8e10)
     return cases
 
 
@@ -46,6 +47,8 @@ def test_peer_columns(fake_cases):
     buf = io.StringIO()
     bench.print_table(rows, file=buf)
     out = buf.getvalue()
+    # the header names the dram floor's probe and prints the old torch-sum figure beside it
+    assert "read bandwidth 10.0 GB/s (moelab::read_stream" in out and "4 KiB pages: 8.0 GB/s" in out, out
     assert "vs slow peer" in out and "ok 2" in out
     assert "vs absent peer" in out and "not run: not installed (make peers)" in out
 

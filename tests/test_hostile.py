@@ -282,6 +282,11 @@ def fe_rows_fp8():
     return {**fe_fp8(), "y_init": None}
 
 
+def read_stream_base():
+    """The benchmarks' streaming-read probe (a measurement tool, csrc/torch/bench_probe.cpp)."""
+    return {"buf": torch.randint(0, 256, (1000,), dtype=torch.uint8, generator=_gen(11)), "streams_per_thread": 4}
+
+
 BASES = {
     "fused_experts_rows": [fe_rows, fe_rows_fp8],
     "route": [route_base, route_grouped, route_softmax, route_grouped_softmax, route_softmax_bias],
@@ -294,6 +299,7 @@ BASES = {
     "fused_experts": [fe_base, fe_oai, fe_fp8, fe_mx, fe_packed, fe_packed_mx, fe_on_input],
     "prepack_moe_weight": [prepack_base, prepack_fp8, prepack_mx],
     "pack_moe_experts": [pack_base, pack_fp8, pack_mx],
+    "read_stream": [read_stream_base],
 }
 
 
@@ -795,6 +801,14 @@ for name in ("q13", "q2"):
 for q in ("int4", "", "fp8_block"):
     bad("pack_moe_experts", pack_base, "quant", repr(q), quant=q) if q != "fp8_block" else \
         bad("pack_moe_experts", pack_base, "w13", "quant-fp8-on-bf16", quant=q)
+
+bad("read_stream", read_stream_base, "buf", "stepped", buf=lambda kw: stepped(kw["buf"]))
+bad("read_stream", read_stream_base, "buf", "expanded", buf=huge(8, 64, dtype=torch.uint8))
+bad("read_stream", read_stream_base, "buf", "empty", buf=torch.empty(0, dtype=torch.uint8))
+for v in (0, -1, 17):
+    bad("read_stream", read_stream_base, "streams_per_thread", str(v), streams_per_thread=v)
+for v in (-1, 4097):
+    bad("read_stream", read_stream_base, "prefetch_blocks", str(v), prefetch_blocks=v)
 
 
 @pytest.mark.parametrize("op,arg,make", CASES)
