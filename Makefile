@@ -57,9 +57,22 @@ verify-peers: setup
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
 # PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2
-# threads, 3 whole runs (experiments/peers.py; the table and reports/bench_peers.csv).
+# threads, 3 whole runs, each its own process (one process's --repeat 3 was killed for memory on
+# 24 GB), then the summary over the three (experiments/peers.py; tables and
+# reports/bench_peers_run{1,2,3}.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops).
+PEER_OPS ?= route,router_gemm,fused_experts
 bench: setup
-	$(VPY) -m experiments.bench $(if $(filter-out 0,$(PEERS)),--peers --threads 1,2 --repeat 3 --csv reports/bench_peers.csv,)
+ifeq ($(filter-out 0,$(PEERS)),)
+	$(VPY) -m experiments.bench
+else
+	mkdir -p reports
+	for k in 1 2 3; do \
+		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) --peers --threads 1,2 \
+			--csv reports/bench_peers_run$$k.csv || exit 1; \
+	done
+	$(VPY) -m experiments.bench --summarize reports/bench_peers_run1.csv reports/bench_peers_run2.csv \
+		reports/bench_peers_run3.csv
+endif
 
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
 # (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.

@@ -8,9 +8,12 @@ of the row's own memory floor, measured in the same run. Each row says which flo
   cache  the bytes fit in the last-level cache, and the repeated calls of a benchmark keep the
          inputs resident: the floor is timing.cache_bandwidth(bytes), the faster of a sum and a
          copy over a working set of that size (at least 1 MiB), measured in the same run;
-  dram   the bytes exceed the last-level cache: the floor is the faster of timing.read_bandwidth()
-         and timing.cache_bandwidth(bytes) (just above the cache size part of the working set
-         still stays resident between calls, for the kernel as for the probe). read_bandwidth is
+  dram   the bytes exceed the last-level cache: the floor is the fastest of timing.read_bandwidth(),
+         the same probe's fastest pass timed in the row's own interleaved rounds (this machine's
+         2-thread bandwidth switches between ~35 and ~60 GB/s within a run, so a floor measured
+         only at the start let rows read 139-149% of it), and timing.cache_bandwidth(bytes) (just
+         above the cache size part of the working set still stays resident between calls, for
+         the kernel as for the probe). read_bandwidth is
          the streaming-read probe moelab::read_stream over 256 MiB in transparent huge pages (the
          best over its streams per thread and prefetch distances): the most a read-only stream
          gets here. The header also prints the old probe, a torch f32 sum over 4 KiB pages,
@@ -29,6 +32,10 @@ summary: per point, the median of the N runs' speedups, their min..max, and in h
 the target was met. On a shared machine the memory bandwidth itself moves between runs (we
 have seen 43 to 65 GB/s within minutes), and a weight-streaming kernel gains more from it
 than a library call at half the floor does, so one run is not a verdict.
+
+--summarize A.csv B.csv ... prints that summary from the CSVs of separate runs (one whole run
+per process: `make bench PEERS=1` runs three that way, so no run inherits another's memory
+or allocator state), per thread count.
 
 Cases live in experiments/cases_<op>.py; each module defines `cases(quick) -> list[Case]`.
 """
@@ -80,6 +87,7 @@ def floor_of(nbytes: int) -> tuple[str, float]:
 
 def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[dict]:
     timing._read_bw.clear()                 # measured anew for every run
+    timing._probe.clear()
     timing._read_bw_sum.clear()
     timing._cache_bw.clear()
     bw = timing.read_bandwidth()
@@ -88,10 +96,16 @@ def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[d
         for case in discover()[op](quick):
             found = case.peers() if peers and case.peers else {}
             runnable = {f"peer:{k}": v for k, v in found.items() if callable(v)}
-            t = timing.compare({"eager": case.eager, "ours": case.ours, **runnable}, rounds=rounds)
+            kind, fbw = floor_of(case.nbytes)
+            probe = {}
+            if kind == "dram":   # the probe in the row's own rounds too: the same bandwidth phase
+                fn, pbytes = timing.read_probe()
+                probe = {"probe": fn}
+            t = timing.compare({"eager": case.eager, "ours": case.ours, **runnable, **probe}, rounds=rounds)
+            if probe:
+                fbw = max(fbw, pbytes / min(t["probe"].times))
             sp, lo, hi = timing.ratio(t["eager"], t["ours"])
             ours = t["ours"].median
-            kind, fbw = floor_of(case.nbytes)
             pcols = []
             for name, v in found.items():
                 if not callable(v):
@@ -114,8 +128,9 @@ def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[d
     return rows
 
 
-def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
+def print_summary(runs: list[list[dict]], file=None) -> None:
     """Per point over the runs: median speedup, min..max of the runs' speedups, target met."""
+    file = file or sys.stdout   # (looked up per call, so a redirected stdout gets it)
     import statistics
     n = len(runs)
     bws = [r[0]["read_GBps"] for r in runs if r]
@@ -141,7 +156,8 @@ def print_summary(runs: list[list[dict]], file=sys.stdout) -> None:
                   f"{f'{min(vs):.2f}..{max(vs):.2f}':>16}{'' if pt is None else f'{pt:g}':>8}{pmet:>8}", file=file)
 
 
-def print_table(rows: list[dict], file=sys.stdout) -> None:
+def print_table(rows: list[dict], file=None) -> None:
+    file = file or sys.stdout
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, {m['threads']} threads, torch {m['torch']}; "
           f"read bandwidth {timing.read_bandwidth() / 1e9:.1f} GB/s (moelab::read_stream, 256 MiB in huge pages, "
@@ -176,12 +192,51 @@ def flat_rows(rows: list[dict]) -> list[dict]:
     for r in rows:
         base = {k: v for k, v in r.items() if k != "peers"}
         out.append({**base, "impl": "moelab", "impl_us": r["ours_us"], "ours_vs": "", "ours_vs_min": "",
-                    "ours_vs_max": "", "impl_GBps": r["GBps"], "impl_floor_frac": r["floor_frac"], "why_not": ""})
+                    "ours_vs_max": "", "impl_GBps": r["GBps"], "impl_floor_frac": r["floor_frac"], "why_not": "",
+                    "peer_target": ""})
         for pc in r.get("peers", ()):
             out.append({**base, "impl": pc["peer"], "impl_us": pc.get("us", ""), "ours_vs": pc.get("ours_vs", ""),
                         "ours_vs_min": pc.get("ours_vs_min", ""), "ours_vs_max": pc.get("ours_vs_max", ""),
                         "impl_GBps": pc.get("GBps", ""), "impl_floor_frac": pc.get("floor_frac", ""),
-                        "why_not": pc.get("why_not", "")})
+                        "why_not": pc.get("why_not", ""), "peer_target": pc.get("target", "") or ""})
+    return out
+
+
+def _num(v: str):
+    return None if v in ("", "None") else float(v)
+
+
+def runs_from_csv(paths: list[str]) -> dict[int, list[list[dict]]]:
+    """The nested rows of print_summary, per thread count, from CSVs that flat_rows wrote: one
+    run per (file, run index); a peer's row follows its point's moelab row."""
+    out: dict[int, list[list[dict]]] = {}
+    for path in paths:
+        with open(path, newline="") as f:
+            flat = list(csv.DictReader(f))
+        runs: dict[tuple[int, str], list[dict]] = {}
+        for r in flat:
+            key = (int(r["threads"]), r.get("run") or "0")
+            rows = runs.setdefault(key, [])
+            if r["impl"] == "moelab":
+                rows.append({"op": r["op"], "shape": r["shape"], "speedup": float(r["speedup"]),
+                             "target": _num(r["target"]), "read_GBps": float(r["read_GBps"]),
+                             "threads": int(r["threads"]), "peers": []})
+            elif r["why_not"]:
+                rows[-1]["peers"].append({"peer": r["impl"], "why_not": r["why_not"]})
+            else:
+                rows[-1]["peers"].append({"peer": r["impl"], "ours_vs": float(r["ours_vs"]),
+                                          "target": _num(r.get("peer_target", ""))})
+        for (threads, _), rows in sorted(runs.items()):
+            out.setdefault(threads, []).append(rows)
+    # a CSV written before the peer_target column: take the target from another run's row
+    known = {(r["op"], r["shape"], pc["peer"]): pc["target"] for runs in out.values() for rows in runs
+             for r in rows for pc in r["peers"] if pc.get("target") is not None}
+    for runs in out.values():
+        for rows in runs:
+            for r in rows:
+                for pc in r["peers"]:
+                    if "why_not" not in pc and pc["target"] is None:
+                        pc["target"] = known.get((r["op"], r["shape"], pc["peer"]))
     return out
 
 
@@ -194,7 +249,13 @@ def main(argv=None) -> int:
     p.add_argument("--peers", action="store_true", help="add vLLM CPU and zentorch columns (make peers)")
     p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
     p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
+    p.add_argument("--summarize", nargs="+", metavar="CSV", default=None,
+                   help="print the summary over the runs in these CSVs (of separate processes), then exit")
     a = p.parse_args(argv)
+    if a.summarize:
+        for threads, runs in sorted(runs_from_csv(a.summarize).items()):
+            print_summary(runs)
+        return 0
     try:
         thread_counts = [int(t) for t in a.threads.split(",")]
     except ValueError:

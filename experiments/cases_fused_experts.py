@@ -21,6 +21,7 @@ a time is kept (the copies take ~1-4 GB).
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import statistics
 import sys
@@ -190,10 +191,13 @@ _current: dict = {}
 
 
 def shape_data(name: str, eager: bool, min_copies: int = 2) -> ShapeData:
-    """One shape's data at a time (built on first use, the previous one released)."""
+    """One shape's data at a time (built on first use, the previous one released: collected
+    before the next is built, since the peers' closures make reference cycles, and two shapes'
+    weight copies do not fit in 24 GB: `--repeat 3` was killed for memory without it)."""
     d = _current.get(name)
     if d is None or (eager and d.eager is None):
         _current.clear()
+        gc.collect()
         d = _current[name] = ShapeData(name, eager, min_copies)
     return d
 

@@ -154,6 +154,7 @@ def read_stream_timings(buf: torch.Tensor, streams=STREAMS, prefetch=PREFETCH, r
 
 
 _read_bw: dict[tuple[int, int], float] = {}
+_probe: dict[tuple[int, int], tuple] = {}   # (nbytes, threads) -> (buffer, best (S, prefetch))
 _read_bw_sum: dict[tuple[int, int], float] = {}
 
 
@@ -176,8 +177,20 @@ def read_bandwidth(nbytes: int = 256 << 20, rounds: int = 3, min_time: float = 0
     if key not in _read_bw:
         buf = stream_buffer(nbytes, huge=True)
         t = read_stream_timings(buf, rounds=rounds, min_time=min_time)
-        _read_bw[key] = max(nbytes / min(v.times) for v in t.values())
+        best = min(t, key=lambda k: min(t[k].times))
+        _read_bw[key] = nbytes / min(t[best].times)
+        _probe[key] = (buf, best)
     return _read_bw[key]
+
+
+def read_probe(nbytes: int = 256 << 20) -> tuple[Callable[[], object], int]:
+    """(one pass of this run's best read_bandwidth setting, the bytes it reads): for timing the
+    probe in the same interleaved rounds as a benchmark row, so a row and its floor see the same
+    phase of a machine whose bandwidth changes regime within a run (experiments.bench)."""
+    read_bandwidth(nbytes)
+    buf, (s, d) = _probe[(int(nbytes), torch.get_num_threads())]
+    op = torch.ops.moelab.read_stream
+    return (lambda: op(buf, s, d)), int(nbytes)
 
 
 def read_bandwidth_torch_sum(nbytes: int = 256 << 20) -> float:

@@ -53,6 +53,29 @@ def test_peer_columns(fake_cases):
     assert "vs absent peer" in out and "not run: not installed (make peers)" in out
 
 
+def test_dram_floor_includes_the_probe_timed_in_the_rows_rounds(fake_cases, monkeypatch):
+    """A dram row's floor is also the read probe timed in the row's own interleaved rounds (the
+    2-thread bandwidth switches regime within a run); a cache row does not run the probe."""
+    calls = []
+
+    def probe():
+        calls.append(1)
+        time.sleep(1e-3)
+
+    monkeypatch.setattr(timing, "llc_bytes", lambda: 2 * 10 ** 6)
+    monkeypatch.setattr(timing, "cache_bandwidth", lambda nbytes: 1e9)
+    monkeypatch.setattr(timing, "read_probe", lambda nbytes=0: (probe, 10 ** 9))   # ~1e12 B/s: wins
+    fake_cases[0].nbytes = 10 ** 7                                               # above the "LLC": dram
+    a, b = bench.run(["fake"], quick=True, rounds=2, peers=False)
+    assert a["floor_kind"] == "dram" and b["floor_kind"] == "cache"
+    assert calls and a["floor_GBps"] > 10.0 * 5            # the probe's pass, not read_bandwidth's 10 GB/s
+    assert a["floor_GBps"] <= 1e3 + 1e-9                    # at most 10^9 B per 1 ms
+    n = len(calls)
+    fake_cases[0].nbytes = 10 ** 6                          # both rows cache-resident: no probe
+    bench.run(["fake"], quick=True, rounds=2, peers=False)
+    assert len(calls) == n
+
+
 def test_without_peers_flag_peers_are_not_built(fake_cases):
     built = []
     fake_cases[0].peers = lambda: built.append(1) or {}
@@ -70,6 +93,50 @@ def test_csv_one_row_per_implementation(fake_cases, tmp_path, capsys):
                      ("point B (no peers)", "moelab")]
     assert rows[2]["why_not"] and rows[2]["impl_us"] == ""
     assert float(rows[1]["ours_vs"]) > 1.0
+
+
+def _write_run(path, speedups, vs):
+    """A CSV as flat_rows writes it for one whole run of point A (one peer) at 1 thread."""
+    base = {"op": "fake", "shape": "point A", "target": 1.5, "read_GBps": 30.0, "threads": 1, "run": 0}
+    rows = [{**base, "speedup": speedups, "impl": "moelab", "ours_vs": "", "why_not": "", "peer_target": ""},
+            {**base, "speedup": speedups, "impl": "slow peer", "ours_vs": vs, "why_not": "", "peer_target": 2.0},
+            {**base, "speedup": speedups, "impl": "absent peer", "ours_vs": "", "why_not": "not installed",
+             "peer_target": ""}]
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def test_summarize_separate_runs(tmp_path, capsys):
+    """`make bench PEERS=1` runs each whole run in its own process and summarizes their CSVs:
+    the median over the runs and how many met each target, for ours/eager and ours/peer."""
+    paths = []
+    for k, (sp, vs) in enumerate(((1.2, 2.5), (1.8, 1.9), (1.6, 2.2))):
+        paths.append(tmp_path / f"run{k}.csv")
+        _write_run(paths[-1], sp, vs)
+    runs = bench.runs_from_csv([str(p) for p in paths])
+    assert list(runs) == [1] and len(runs[1]) == 3
+    assert bench.main(["--summarize", *map(str, paths)]) == 0
+    out = capsys.readouterr().out
+    line_ours = next(s for s in out.splitlines() if s.startswith("fake"))
+    line_peer = next(s for s in out.splitlines() if "vs slow peer" in s)
+    assert "1.60x" in line_ours and "1.20..1.80" in line_ours and "2/3" in line_ours, line_ours
+    assert "2.20x" in line_peer and "1.90..2.50" in line_peer and "2/3" in line_peer, line_peer
+    assert "absent peer" not in out
+
+
+def test_csv_round_trips_into_the_summary(fake_cases, tmp_path, capsys):
+    """The CSV that main writes is what --summarize reads (peer targets included)."""
+    paths = [tmp_path / "a.csv", tmp_path / "b.csv"]
+    for p in paths:
+        assert bench.main(["--ops", "fake", "--quick", "--rounds", "2", "--threads", "1", "--peers",
+                           "--csv", str(p)]) == 0
+    runs = bench.runs_from_csv([str(p) for p in paths])
+    point_a = runs[1][0][0]
+    assert point_a["shape"] == "point A" and point_a["target"] == 1.5
+    assert [pc["peer"] for pc in point_a["peers"]] == ["slow peer", "absent peer"]
+    assert point_a["peers"][0]["target"] == 2.0 and point_a["peers"][0]["ours_vs"] > 1.0
 
 
 def test_bad_threads_argument(fake_cases):
