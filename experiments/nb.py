@@ -300,6 +300,63 @@ def gpu_results(op: str | None = None):
     return df
 
 
+PEER_RUNS = ("bench_peers_final_run*.csv", "bench_peers_full_*.csv")
+
+
+def peer_results(op: str):
+    """The committed `python -m experiments.bench --peers` rows of `op` (experiments/results/*/
+    bench_peers_final_run*.csv and bench_peers_full_*.csv: the runs docs/performance.md quotes),
+    as `peer_table` frames them. The peers (vLLM CPU, zentorch) are optional installs, so a
+    notebook shows these committed measurements rather than timing the peers itself. Read from
+    the repository's results even when this run writes elsewhere (MOELAB_NB_OUT). Empty frame
+    (and a printed note) when there are none."""
+    import pandas as pd
+    frames = []
+    for pattern in PEER_RUNS:
+        for path in sorted((ROOT / "experiments" / "results").glob(f"*/{pattern}")):
+            df = pd.read_csv(path)
+            df = df[df["op"] == op].copy()
+            if len(df):
+                df["machine"], df["file"] = path.parent.name, path.name
+                frames.append(df)
+    if not frames:
+        print(f"No committed peer runs for {op} (experiments/results/*/bench_peers_final_run*.csv; "
+              f"`make peers` then `make bench PEERS=1` makes them).")
+        return pd.DataFrame(columns=["machine", "file", "threads", "shape", "impl", "vs_ours"])
+    return peer_table(pd.concat(frames, ignore_index=True))
+
+
+def peer_table(df):
+    """One row per (machine, file, threads, point, implementation) with `vs_ours`, that
+    implementation's time over ours (> 1: ours faster): each peer's ours_vs, and for the eager
+    baseline of the same rounds its speedup, so the peers sit beside the eager way."""
+    import pandas as pd
+    keep = ["machine", "file", "threads", "shape"]
+    peers = df[(df["impl"] != "moelab") & df["ours_vs"].notna()]
+    peers = peers.assign(vs_ours=peers["ours_vs"].astype(float))[keep + ["impl", "vs_ours"]]
+    eager = df[df["impl"] == "moelab"].assign(impl="eager (this notebook's baseline)")
+    eager = eager.assign(vs_ours=eager["speedup"].astype(float))[keep + ["impl", "vs_ours"]]
+    return pd.concat([eager, peers], ignore_index=True)
+
+
+def peer_figure(table, title: str):
+    """Horizontal bars of vs_ours per point and implementation (log scale: the eager way is several
+    times slower, the peers near parity), one panel per thread count; the bar is the median over
+    the committed runs, the line their min..max, the dashed line parity. Points without a peer
+    (the standard-layout rows) are left out."""
+    import seaborn as sns
+    with_peer = set(table.loc[~table["impl"].str.startswith("eager"), "shape"])
+    t = table[table["shape"].isin(with_peer)]
+    g = sns.catplot(t, y="shape", x="vs_ours", hue="impl", col="threads", kind="bar", estimator="median",
+                    errorbar=("pi", 100), orient="h", height=0.45 * max(4, len(with_peer)) + 1.5, aspect=1.1)
+    for ax in g.axes.flat:
+        ax.set_xscale("log")
+        ax.axvline(1.0, color="k", ls="--", lw=1)
+    g.set_axis_labels("their time / ours (log; > 1: ours faster)", "")
+    g.figure.suptitle(title, y=1.02)
+    return g.figure
+
+
 def gpu_speedups(op: str, ours: str, before: str):
     """Per GPU machine and case: median us of the impl starting with `ours` and of the one
     starting with `before`, and before/ours."""

@@ -217,6 +217,22 @@ nb.save_figure(g.fig, "000_crossover")
 plt.show()
 
 # %% [markdown]
+# ## Against the peers (committed bench runs)
+# The kernels CPU users run, vLLM's CPU backend and zentorch, are optional installs (`make peers`),
+# so this notebook does not time them: it shows the committed runs of
+# `python -m experiments.bench --peers` (three quick whole runs and the full grid; docs/performance.md,
+# "Against the peers", says what is met and what limits each miss), each point's peers beside the
+# eager baseline of the same interleaved rounds. Their time over ours: > 1 means ours is faster.
+
+# %%
+peers = nb.peer_results('fused_experts')
+if len(peers):
+    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
+    fig = nb.peer_figure(peers, 'fused_experts against vLLM (fused_experts_cpu, cpu_fused_moe) and zentorch')
+    nb.save_figure(fig, f"{NAME}_peers")
+    plt.show()
+
+# %% [markdown]
 # ## GPU results
 # Seed 000 is a CPU change; `scripts/gpu_check.sh` has no fused_experts timing (the GPU layer
 # has no fused_experts kernel yet, docs/gpu.md), so this notebook is CPU only.

@@ -129,6 +129,22 @@ print(f"the f32 copy of x at T=2: {extra_bytes} bytes written and read back, "
       f"{extra_bytes / (E * H * 4):.2%} of the weight bytes")
 
 # %% [markdown]
+# ## Against the peers (committed bench runs)
+# The kernels CPU users run, vLLM's CPU backend and zentorch, are optional installs (`make peers`),
+# so this notebook does not time them: it shows the committed runs of
+# `python -m experiments.bench --peers` (three quick whole runs and the full grid; docs/performance.md,
+# "Against the peers", says what is met and what limits each miss), each point's peers beside the
+# eager baseline of the same interleaved rounds. Their time over ours: > 1 means ours is faster.
+
+# %%
+peers = nb.peer_results('router_gemm')
+if len(peers):
+    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
+    fig = nb.peer_figure(peers, 'router_gemm against vLLM (oneDNN) and zentorch (linear), f32 weights')
+    nb.save_figure(fig, f"{NAME}_peers")
+    plt.show()
+
+# %% [markdown]
 # ## GPU results (when present)
 
 # %%

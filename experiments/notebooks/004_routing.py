@@ -124,6 +124,22 @@ nb.save_figure(fig, "004_routing_k16")
 plt.show()
 
 # %% [markdown]
+# ## Against the peers (committed bench runs)
+# The kernels CPU users run, vLLM's CPU backend and zentorch, are optional installs (`make peers`),
+# so this notebook does not time them: it shows the committed runs of
+# `python -m experiments.bench --peers` (three quick whole runs and the full grid; docs/performance.md,
+# "Against the peers", says what is met and what limits each miss), each point's peers beside the
+# eager baseline of the same interleaved rounds. Their time over ours: > 1 means ours is faster.
+
+# %%
+peers = nb.peer_results('route')
+if len(peers):
+    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
+    fig = nb.peer_figure(peers, 'route (sigmoid_bias) against vLLM (biased_topk_cpu, CPURouter)')
+    nb.save_figure(fig, f"{NAME}_peers")
+    plt.show()
+
+# %% [markdown]
 # ## GPU results (when present)
 # experiments/gpu_bench.py times the seed's own pair on a GPU: route_variant "serial" (warp 0
 # alone, csrc/gpu/route.cu) against "lanes" (the tier table; at E=896/K=16 the lane-owned block
