@@ -323,6 +323,7 @@ def peer_results(op: str):
         print(f"No committed peer runs for {op} (experiments/results/*/bench_peers_final_run*.csv; "
               f"`make peers` then `make bench PEERS=1` makes them).")
         return pd.DataFrame(columns=["machine", "file", "threads", "shape", "impl", "vs_ours"])
+    print(f"Committed peer runs of {op}: " + ", ".join(sorted({f"{f['machine'].iloc[0]}/{f['file'].iloc[0]}" for f in frames})))
     return peer_table(pd.concat(frames, ignore_index=True))
 
 

@@ -119,10 +119,9 @@ def stream_buffer(nbytes: int, huge: bool = True, fill: int = 1) -> torch.Tensor
     return buf
 
 
-def huge_page_bytes(t: torch.Tensor) -> int:
-    """Bytes of the mapping holding t's middle byte that are backed by transparent huge pages
-    (AnonHugePages in /proc/self/smaps); -1 where that cannot be read."""
-    addr = t.data_ptr() + t.numel() * t.element_size() // 2
+def smaps_field(addr: int, field: str) -> list[str] | None:
+    """The values of `field` (e.g. "AnonHugePages:", "VmFlags:") of the mapping of this process
+    that holds addr, from /proc/self/smaps; None where there is no such mapping or file."""
     try:
         inside = False
         for line in open("/proc/self/smaps"):
@@ -130,11 +129,18 @@ def huge_page_bytes(t: torch.Tensor) -> int:
             if "-" in head and not head.endswith(":"):
                 lo, hi = (int(v, 16) for v in head.split("-"))
                 inside = lo <= addr < hi
-            elif inside and head == "AnonHugePages:":
-                return int(line.split()[1]) << 10
+            elif inside and head == field:
+                return line.split()[1:]
     except (OSError, ValueError):
         pass
-    return -1
+    return None
+
+
+def huge_page_bytes(t: torch.Tensor) -> int:
+    """Bytes of the mapping holding t's middle byte that are backed by transparent huge pages
+    (AnonHugePages in /proc/self/smaps); -1 where that cannot be read."""
+    kb = smaps_field(t.data_ptr() + t.numel() * t.element_size() // 2, "AnonHugePages:")
+    return int(kb[0]) << 10 if kb else -1
 
 
 def read_stream_timings(buf: torch.Tensor, streams=STREAMS, prefetch=PREFETCH, rounds: int = 3,

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import optimized
+from experiments import timing
 from optimized import pack_cache
 from optimized.tune import random_weights
 
@@ -23,15 +24,7 @@ pytestmark = pytest.mark.skipif(
 
 def _vm_flags(addr: int) -> list[str]:
     """VmFlags of the mapping of this process that contains addr."""
-    flags, inside = None, False
-    for line in open("/proc/self/smaps"):
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= addr < hi
-        elif inside and head == "VmFlags:":
-            flags = line.split()[1:]
-            break
+    flags = timing.smaps_field(addr, "VmFlags:")
     assert flags is not None, f"no mapping holds {addr:#x}"
     return flags
 

@@ -219,10 +219,11 @@ plt.show()
 # %% [markdown]
 # ## Against the peers (committed bench runs)
 # The kernels CPU users run, vLLM's CPU backend and zentorch, are optional installs (`make peers`),
-# so this notebook does not time them: it shows the committed runs of
-# `python -m experiments.bench --peers` (three quick whole runs and the full grid; docs/performance.md,
-# "Against the peers", says what is met and what limits each miss), each point's peers beside the
-# eager baseline of the same interleaved rounds. Their time over ours: > 1 means ours is faster.
+# so this notebook does not time them: it shows the committed CSVs of
+# `python -m experiments.bench --peers` (the whole runs whose rows stay within their floors; the
+# summary over three runs, what is met and what limits each miss: docs/performance.md, "Against
+# the peers"), each point's peers beside the eager baseline of the same interleaved rounds. Their
+# time over ours: > 1 means ours is faster.
 
 # %%
 peers = nb.peer_results('fused_experts')
