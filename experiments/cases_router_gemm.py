@@ -24,5 +24,5 @@ def cases(quick: bool):
                         lambda x=x: optimized.router_gemm(x, ws.next()),
                         nbytes=E * H * 4 + T * H * 2 + T * E * 4,
                         target=1.0 if T == 1 else 2.0,
-                        peers=lambda x=x: peers.router_gemm(x, ws), peer_target=1.0))  # issue: >= 2x at T = 4, 8, 32; not slower at 1
+                        peers=lambda x=x: peers.router_gemm(x, ws), peer_target=1.0, cold=True))  # issue: >= 2x at T = 4, 8, 32; not slower at 1
     return out

@@ -33,7 +33,7 @@ def cases(quick: bool):
                             lambda x=x, ws=ws: F.linear(x, ws.next()),
                             lambda x=x, ws=ws: optimized.skinny_gemm(x, ws.next()),
                             nbytes=N * K * 2 + T * K * 2 + T * N * 2,
-                            target=2.0 if T in (1, 4) else None))
+                            target=2.0 if T in (1, 4) else None, cold=True))
     H = 2048
     for E in (256, 512):
         N = E + 1
@@ -43,7 +43,7 @@ def cases(quick: bool):
             out.append(Case("gate", f"T={T} N={N} H={H} bf16",
                             lambda x=x, ws=ws, E=E: _split(F.linear(x, ws.next()), E),
                             lambda x=x, ws=ws, E=E: _split(optimized.unquantized_gemm(x, ws.next()), E),
-                            nbytes=N * H * 2 + T * H * 2 + T * N * 2))
+                            nbytes=N * H * 2 + T * H * 2 + T * N * 2, cold=True))
     return out
 
 

@@ -76,6 +76,43 @@ def test_dram_floor_includes_the_probe_timed_in_the_rows_rounds(fake_cases, monk
     assert len(calls) == n
 
 
+def test_cold_case_gets_the_dram_floor_and_probe_frac(fake_cases, monkeypatch):
+    """A cold case (inputs rotating through copies larger than the cache) is judged against the
+    read bandwidth whatever its size, never the cache's; its probe_frac compares each round with
+    the probe timed in that same round (ours 2 ms vs a probe of the same bytes taking 1 ms:
+    ~50%, whichever phase the rounds ran in), and a bw_target is judged on it."""
+    monkeypatch.setattr(timing, "llc_bytes", lambda: 2 * 10 ** 6)
+    monkeypatch.setattr(timing, "cache_bandwidth", lambda nbytes: 1e12)   # would win if used
+    monkeypatch.setattr(timing, "read_probe", lambda nbytes=0: (_sleeper(1e-3), 10 ** 6))
+    a, b = fake_cases
+    a.cold, a.bw_target = True, 0.8
+    ra, rb = bench.run(["fake"], quick=True, rounds=3, peers=True)
+    assert ra["floor_kind"] == "dram" and ra["floor_GBps"] == pytest.approx(10.0)   # read_bandwidth, not the cache
+    assert rb["floor_kind"] == "cache" and rb["probe_frac"] is None    # no probe for cache rows
+    assert 0.15 < ra["probe_frac"] < 0.8, ra                           # ~0.5 (sleep jitter only lowers it)
+    slow = ra["peers"][0]
+    assert 0.03 < slow["probe_frac"] < ra["probe_frac"], slow          # the peer takes 8 ms: ~0.125
+    buf = io.StringIO()
+    bench.print_table([ra, rb], file=buf)
+    line = next(s for s in buf.getvalue().splitlines() if s.startswith("fake") and "point A" in s)
+    assert "MISS 80%" in line, line
+
+
+def test_summary_judges_bw_target_on_probe_frac(tmp_path, capsys):
+    base = {"op": "fake", "shape": "point A", "target": "", "read_GBps": 30.0, "threads": 2, "run": 0,
+            "impl": "moelab", "ours_vs": "", "why_not": "", "peer_target": "", "bw_target": 0.8}
+    paths = []
+    for k, pf in enumerate((0.85, 0.7, 0.9)):
+        paths.append(tmp_path / f"r{k}.csv")
+        with open(paths[-1], "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=[*base, "speedup", "probe_frac"])
+            w.writeheader()
+            w.writerow({**base, "speedup": 1.0, "probe_frac": pf})
+    assert bench.main(["--summarize", *map(str, paths)]) == 0
+    line = next(s for s in capsys.readouterr().out.splitlines() if "of the read probe" in s)
+    assert "85%" in line and "70%..90%" in line and "80%" in line and "2/3" in line, line
+
+
 def test_without_peers_flag_peers_are_not_built(fake_cases):
     built = []
     fake_cases[0].peers = lambda: built.append(1) or {}

@@ -55,6 +55,8 @@ def test_floor_of_picks_the_floor_by_size(monkeypatch):
     assert bench.floor_of(2 << 20) == ("cache", 200e9)
     assert bench.floor_of(64 << 20) == ("dram", 30e9)           # the larger of read and same-size probe
     assert seen == [2 << 20, 64 << 20]
+    assert bench.floor_of(2 << 20, cold=True) == ("dram", 30e9)  # rotating copies: memory, whatever the size
+    assert seen == [2 << 20, 64 << 20]
 
 
 def test_cache_bandwidth_is_measured_and_memoized():
