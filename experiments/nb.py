@@ -300,12 +300,12 @@ def gpu_results(op: str | None = None):
     return df
 
 
-PEER_RUNS = ("bench_peers_final_run*.csv", "bench_peers_full_*.csv")
+PEER_RUNS = ("bench_peers_dec02_run*.csv", "bench_peers_dec02_full_*.csv")
 
 
 def peer_results(op: str):
     """The committed `python -m experiments.bench --peers` rows of `op` (experiments/results/*/
-    bench_peers_final_run*.csv and bench_peers_full_*.csv: the runs docs/performance.md quotes),
+    bench_peers_dec02_run*.csv and bench_peers_dec02_full_*.csv: the runs docs/performance.md quotes),
     as `peer_table` frames them. The peers (vLLM CPU, zentorch) are optional installs, so a
     notebook shows these committed measurements rather than timing the peers itself. Read from
     the repository's results even when this run writes elsewhere (MOELAB_NB_OUT). Empty frame
@@ -320,7 +320,7 @@ def peer_results(op: str):
                 df["machine"], df["file"] = path.parent.name, path.name
                 frames.append(df)
     if not frames:
-        print(f"No committed peer runs for {op} (experiments/results/*/bench_peers_final_run*.csv; "
+        print(f"No committed peer runs for {op} (experiments/results/*/bench_peers_dec02_run*.csv; "
               f"`make peers` then `make bench PEERS=1` makes them).")
         return pd.DataFrame(columns=["machine", "file", "threads", "shape", "impl", "vs_ours"])
     print(f"Committed peer runs of {op}: " + ", ".join(sorted({f"{f['machine'].iloc[0]}/{f['file'].iloc[0]}" for f in frames})))
