@@ -11,6 +11,8 @@
 //   words  a 128-entry bf16 table of e4m3(c) * scale, 2 x vpermi2w + blend + sign (Fp8Dec)
 //   pairs  the table as two byte tables, 64 codes at once: vpermb, 2 x vpermi2b, sign, and
 //          vpunpck{l,h}bw (Fp8PairDec)
+//   lanes  pairs without the vpermb, on codes stored already in lane order (what a packing
+//          in that order would give: the question is whether it would be worth the layout)
 // First every decoder's bf16 words are compared with the widening decoder's (they must be
 // the same bits), then each is timed: the minimum of 50 passes, 5 rounds interleaved.
 #include <immintrin.h>
@@ -91,6 +93,27 @@ struct Pairs {
   }
 };
 
+// Pairs on codes that the packing would have put in lane order already (no vpermb).
+struct Lanes : Pairs {
+  using Pairs::Pairs;
+  void get(const uint8_t* p, __m512i* out) const {
+    const __m512i c = _mm512_loadu_si512(p);
+    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
+    __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1);
+    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0x78);
+    out[0] = _mm512_unpacklo_epi8(lo, hi);
+    out[1] = _mm512_unpackhi_epi8(lo, hi);
+  }
+  // codes of consecutive 64-byte chunks, each put in the lane order Pairs' vpermb makes
+  static std::vector<uint8_t> reorder(const std::vector<uint8_t>& w) {
+    std::vector<uint8_t> r(w.size());
+    for (size_t i = 0; i < w.size(); i += 64)
+      for (int q = 0; q < 8; ++q)
+        for (int j = 0; j < 8; ++j) r[i + 8 * q + j] = w[i + 8 * (q / 2) + 32 * (q % 2) + j];
+    return r;
+  }
+};
+
 // T = 1: acc[g] += x pair . decoded words; four groups (independent chains) as in the kernel.
 template <class D>
 __attribute__((noinline)) float dot(const D& d, const uint8_t* w, size_t n, const uint16_t* x) {
@@ -153,8 +176,12 @@ int main() {
     decode_all(b, w.data(), n, rb.data());
     // pairs decode 64 codes that are two consecutive 32-code chunks: the same order
     decode_all(c, w.data(), n, rc.data());
-    const bool same = ra == rb && ra == rc;
-    std::printf("scale %-10g words %s widen, pairs %s widen\n", s, ra == rb ? "==" : "!=", ra == rc ? "==" : "!=");
+    Lanes d(s);
+    std::vector<uint16_t> rd(n);
+    decode_all(d, Lanes::reorder(w).data(), n, rd.data());
+    const bool same = ra == rb && ra == rc && ra == rd;
+    std::printf("scale %-10g words %s widen, pairs %s widen, lanes %s widen\n", s, ra == rb ? "==" : "!=",
+                ra == rc ? "==" : "!=", ra == rd ? "==" : "!=");
     bad += !same;
   }
   float sink = 0;
@@ -162,13 +189,16 @@ int main() {
   Widen a(s);
   Words b(s);
   Pairs c(s);
+  Lanes d(s);
+  const std::vector<uint8_t> wl = Lanes::reorder(w);
   std::printf("ns per 32 weights (min of 50 passes over %zu KB in L2), one core:\n", n / 1024);
   for (int round = 0; round < 5; ++round) {
     const double ta = time_min(a, w.data(), n, x.data(), &sink), tb = time_min(b, w.data(), n, x.data(), &sink),
-                 tc = time_min(c, w.data(), n, x.data(), &sink);
+                 tc = time_min(c, w.data(), n, x.data(), &sink), td = time_min(d, wl.data(), n, x.data(), &sink);
     const double per = double(n) / 32;
-    std::printf("round %d  widen %.3f  words %.3f  pairs %.3f   widen/words %.2fx  widen/pairs %.2fx\n", round,
-                ta / per * 1e9, tb / per * 1e9, tc / per * 1e9, ta / tb, ta / tc);
+    std::printf("round %d  widen %.3f  words %.3f  pairs %.3f  lanes %.3f   widen/words %.2fx  widen/pairs %.2fx  "
+                "pairs/lanes %.2fx\n", round, ta / per * 1e9, tb / per * 1e9, tc / per * 1e9, td / per * 1e9, ta / tb,
+                ta / tc, tc / td);
   }
   std::printf("(sink %g)\n", sink);
   return bad ? 1 : 0;
