@@ -265,7 +265,6 @@ def runs_from_csv(paths: list[str]) -> dict[int, list[list[dict]]]:
                 rows[-1]["peers"].append({"peer": r["impl"], "why_not": r["why_not"]})
             else:
                 rows[-1]["peers"].append({"peer": r["impl"], "ours_vs": float(r["ours_vs"]),
-                                          "probe_frac": _num(r.get("impl_probe_frac", "")),
                                           "target": _num(r.get("peer_target", ""))})
         for (threads, _), rows in sorted(runs.items()):
             out.setdefault(threads, []).append(rows)

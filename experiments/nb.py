@@ -358,6 +358,21 @@ def peer_figure(table, title: str):
     return g.figure
 
 
+def show_peers(op: str, title: str, name: str):
+    """The notebooks' "Against the peers" cell: `op`'s committed peer runs (peer_results) as a
+    table (median vs_ours per thread count and point) and as peer_figure, saved as
+    `<name>_peers`; nothing but peer_results' note when there are none. Returns the frame."""
+    import matplotlib.pyplot as plt
+    from IPython.display import display
+    peers = peer_results(op)
+    if len(peers):
+        display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours",
+                                  aggfunc="median").round(2))
+        save_figure(peer_figure(peers, title), f"{name}_peers")
+        plt.show()
+    return peers
+
+
 def gpu_speedups(op: str, ours: str, before: str):
     """Per GPU machine and case: median us of the impl starting with `ours` and of the one
     starting with `before`, and before/ours."""

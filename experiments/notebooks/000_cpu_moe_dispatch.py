@@ -226,12 +226,7 @@ plt.show()
 # time over ours: > 1 means ours is faster.
 
 # %%
-peers = nb.peer_results('fused_experts')
-if len(peers):
-    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
-    fig = nb.peer_figure(peers, 'fused_experts against vLLM (fused_experts_cpu, cpu_fused_moe) and zentorch')
-    nb.save_figure(fig, f"{NAME}_peers")
-    plt.show()
+peers = nb.show_peers('fused_experts', 'fused_experts against vLLM (fused_experts_cpu, cpu_fused_moe) and zentorch', NAME)
 
 # %% [markdown]
 # ## GPU results

@@ -138,12 +138,7 @@ print(f"the f32 copy of x at T=2: {extra_bytes} bytes written and read back, "
 # time over ours: > 1 means ours is faster.
 
 # %%
-peers = nb.peer_results('router_gemm')
-if len(peers):
-    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
-    fig = nb.peer_figure(peers, 'router_gemm against vLLM (oneDNN) and zentorch (linear), f32 weights')
-    nb.save_figure(fig, f"{NAME}_peers")
-    plt.show()
+peers = nb.show_peers('router_gemm', 'router_gemm against vLLM (oneDNN) and zentorch (linear), f32 weights', NAME)
 
 # %% [markdown]
 # ## GPU results (when present)

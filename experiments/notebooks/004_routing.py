@@ -133,12 +133,7 @@ plt.show()
 # time over ours: > 1 means ours is faster.
 
 # %%
-peers = nb.peer_results('route')
-if len(peers):
-    display(peers.pivot_table(index=["threads", "shape"], columns="impl", values="vs_ours", aggfunc="median").round(2))
-    fig = nb.peer_figure(peers, 'route (sigmoid_bias) against vLLM (biased_topk_cpu, CPURouter)')
-    nb.save_figure(fig, f"{NAME}_peers")
-    plt.show()
+peers = nb.show_peers('route', 'route (sigmoid_bias) against vLLM (biased_topk_cpu, CPURouter)', NAME)
 
 # %% [markdown]
 # ## GPU results (when present)
