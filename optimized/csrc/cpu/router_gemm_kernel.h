@@ -16,8 +16,8 @@
 // k, k + nt, ...), so the memory stream keeps running while each token block computes.
 // On AVX-512 each 64-byte step also prefetches into L1 the block's own rows kAheadL1 = 4
 // lines ahead (they come from L2 for every token block but the first), and a bf16 x chunk
-// widens with one vpermw (zero-masked into the odd words: lane l = x[h + l] << 16) instead of
-// vpmovzxwd + vpslld; same bits, same lanes, so the reduction order below is unchanged.
+// widens with one vpermw (vec.h widen_bf16: lane l = x[h + l] << 16) instead of vpmovzxwd +
+// vpslld; same bits, same lanes, so the reduction order below is unchanged.
 //
 // Reduction order of out[t,e] (batch invariance): lane l of the accumulator sums the chunks
 // h = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 1 scalar) in increasing c, one f32 FMA
@@ -48,8 +48,10 @@
 //   1.1-1.8x slower at T = 8 and 32 than the whole-H tile. Widening x once into an f32 copy
 //   would break the fused-cast contract, and an f32 x runs no faster through this tile.
 // Tile shapes and the x conversion (AVX-512, 1 thread, bf16 x, weights cold, interleaved
-// rounds on the shared 2-core machine, load average 1.0-1.6; time ratios vs the 4 x 6 tile
-// with vpmovzxwd + vpslld and no L1 prefetch, median [min..max] of per-round ratios):
+// rounds on the shared 2-core machine, load average 1.0-1.6, 2026-12-02, in a scratch A/B of
+// variants built side by side, not a committed output (the committed effect: the peer runs in
+// docs/performance.md); time ratios vs the 4 x 6 tile with vpmovzxwd + vpslld and no L1
+// prefetch, median [min..max] of per-round ratios):
 //   kept: vpermw + the L1 prefetch, 25 rounds: T = 1 0.98 [0.89..1.04], T = 4 0.92
 //   [0.73..1.24], T = 8 0.96 [0.78..1.07], T = 32 0.96 [0.89..1.12]; 2 threads, 15 rounds:
 //   T = 8 0.97, T = 32 0.98. Separately (9-15 rounds): vpermw alone 0.95-0.99 at T = 8 and
@@ -85,35 +87,6 @@ constexpr int64_t kAheadL1 = 4 * kLineF;   // L1 prefetch distance on the tile's
 constexpr int64_t kAheadL1 = 0;            // (not measured on AVX2 / scalar: off)
 #endif
 
-// kVecF (or the first n) elements of an x row widened to f32. AVX-512 bf16: one vpermw puts
-// element l of the 16 loaded words into the high half of lane l and zeroes the low half, so
-// lane l = x[h + l] << 16, exactly what vpmovzxwd + vpslld give, in one shuffle instead of two
-// ops (the conversion is redone for every expert block). Other formats and levels: vload_as.
-#if MOELAB_ISA_LEVEL >= 2
-inline vf widen_bf16_1op(__m256i h) {
-  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
-                                       7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
-  return {_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(__mmask32(0xAAAAAAAAu), idx,
-                                                             _mm512_castsi256_si512(h)))};
-}
-#endif
-template <Fmt F> inline vf xload(const char* p, int64_t h) {
-#if MOELAB_ISA_LEVEL >= 2
-  if constexpr (F == Fmt::kBF16)
-    return widen_bf16_1op(_mm256_loadu_si256(
-        reinterpret_cast<const __m256i*>(reinterpret_cast<const uint16_t*>(p) + h)));
-#endif
-  return vload_as<F>(p, h);
-}
-template <Fmt F> inline vf xload(const char* p, int64_t h, int n) {
-#if MOELAB_ISA_LEVEL >= 2
-  if constexpr (F == Fmt::kBF16)
-    return widen_bf16_1op(
-        _mm256_maskz_loadu_epi16(tail_mask(n), reinterpret_cast<const uint16_t*>(p) + h));
-#endif
-  return vload_as<F>(p, h, n);
-}
-
 // NT tokens x up to kNE experts of the output (ne valid; Full: ne == kNE), over all of H.
 // Each 64-byte step of the weight rows also prefetches, into L2, pf_n rows of the NEXT
 // expert block at the same offset: pf, pf + pf_stride, ...; and, into L1, the tile's own
@@ -135,7 +108,7 @@ inline void tile(const char* x, int64_t ldx_b, const float* w, int64_t H, int ne
     vf wv[kNE];
     for (int j = 0; j < kNE; ++j) wv[j] = (Full || j < ne) ? vload(w + j * H + h) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = xload<F>(x + t * ldx_b, h);
+      vf xv = vload_as<F>(x + t * ldx_b, h);
       for (int j = 0; j < kNE; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }
@@ -144,7 +117,7 @@ inline void tile(const char* x, int64_t ldx_b, const float* w, int64_t H, int ne
     vf wv[kNE];
     for (int j = 0; j < kNE; ++j) wv[j] = (Full || j < ne) ? vload(w + j * H + h, n) : vzero();
     for (int t = 0; t < NT; ++t) {
-      vf xv = xload<F>(x + t * ldx_b, h, n);
+      vf xv = vload_as<F>(x + t * ldx_b, h, n);
       for (int j = 0; j < kNE; ++j) acc[t][j] = vfma(xv, wv[j], acc[t][j]);
     }
   }

@@ -26,7 +26,14 @@ inline vf vzero() { return {_mm512_setzero_ps()}; }
 inline vf vset1(float a) { return {_mm512_set1_ps(a)}; }
 inline vf vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline vf vload(const float* p, int n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
-inline vf widen_bf16(__m256i h) { return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16))}; }
+// 16 bf16 -> f32: one zero-masked vpermw puts word l into the high half of lane l and zeroes
+// the low half (lane l = h[l] << 16), one shuffle where vpmovzxwd + vpslld take two ops
+// (router_gemm redoes it for every expert block: its header has the A/B).
+inline vf widen_bf16(__m256i h) {
+  const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
+                                       7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);
+  return {_mm512_castsi512_ps(_mm512_maskz_permutexvar_epi16(__mmask32(0xAAAAAAAAu), idx, _mm512_castsi256_si512(h)))};
+}
 inline vf vload_bf16(const uint16_t* p) { return widen_bf16(_mm256_loadu_si256((const __m256i*)p)); }
 inline vf vload_bf16(const uint16_t* p, int n) { return widen_bf16(_mm256_maskz_loadu_epi16(tail_mask(n), p)); }
 inline vf vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p))}; }
