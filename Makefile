@@ -57,21 +57,21 @@ verify-peers: setup
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
 # PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2
-# threads, 3 whole runs, each its own process (one process's --repeat 3 was killed for memory on
-# 24 GB), then the summary over the three (experiments/peers.py; tables and
-# reports/bench_peers_run{1,2,3}.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops).
+# threads, 3 whole runs, each run and thread count its own process (one process's --repeat 3, and
+# one full-grid process at --threads 1,2, were killed for memory on 24 GB), then the summary over
+# the three per thread count (experiments/peers.py; tables and
+# reports/bench_peers_run{1,2,3}_{1,2}t.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops).
 PEER_OPS ?= route,router_gemm,fused_experts
 bench: setup
 ifeq ($(filter-out 0,$(PEERS)),)
 	$(VPY) -m experiments.bench
 else
 	mkdir -p reports
-	for k in 1 2 3; do \
-		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) --peers --threads 1,2 \
-			--csv reports/bench_peers_run$$k.csv || exit 1; \
-	done
-	$(VPY) -m experiments.bench --summarize reports/bench_peers_run1.csv reports/bench_peers_run2.csv \
-		reports/bench_peers_run3.csv
+	for k in 1 2 3; do for t in 1 2; do \
+		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) --peers --threads $$t \
+			--csv reports/bench_peers_run$${k}_$${t}t.csv || exit 1; \
+	done; done
+	$(VPY) -m experiments.bench --summarize $(foreach k,1 2 3,$(foreach t,1 2,reports/bench_peers_run$(k)_$(t)t.csv))
 endif
 
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`

@@ -112,6 +112,11 @@ def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[d
     rows = []
     for op in ops:
         for case in discover()[op](quick):
+            # The previous case's peer callables hold that shape's peer weight copies: drop them
+            # before this case may build another shape's (cases_fused_experts keeps one shape's
+            # data at a time; a full --peers run at --threads 1,2 in one process was killed for
+            # memory on the 24 GB machine in its second pass while these were still held).
+            found = runnable = t = None
             found = case.peers() if peers and case.peers else {}
             runnable = {f"peer:{k}": v for k, v in found.items() if callable(v)}
             kind, fbw = floor_of(case.nbytes, case.cold)
