@@ -84,7 +84,10 @@ struct Pairs {
   }
   static constexpr int kCodes = 64;
   void get(const uint8_t* p, __m512i* out) const {
-    const __m512i c = _mm512_permutexvar_epi8(order, _mm512_loadu_si512(p));
+    lookup(_mm512_permutexvar_epi8(order, _mm512_loadu_si512(p)), out);
+  }
+  // 64 codes already in lane order -> their bf16 words, in code order
+  void lookup(__m512i c, __m512i* out) const {
     const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
     __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1);
     hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0x78);
@@ -96,14 +99,7 @@ struct Pairs {
 // Pairs on codes that the packing would have put in lane order already (no vpermb).
 struct Lanes : Pairs {
   using Pairs::Pairs;
-  void get(const uint8_t* p, __m512i* out) const {
-    const __m512i c = _mm512_loadu_si512(p);
-    const __m512i lo = _mm512_permutex2var_epi8(lo0, c, lo1);
-    __m512i hi = _mm512_permutex2var_epi8(hi0, c, hi1);
-    hi = _mm512_ternarylogic_epi32(hi, c, _mm512_set1_epi8(char(0x80)), 0x78);
-    out[0] = _mm512_unpacklo_epi8(lo, hi);
-    out[1] = _mm512_unpackhi_epi8(lo, hi);
-  }
+  void get(const uint8_t* p, __m512i* out) const { lookup(_mm512_loadu_si512(p), out); }
   // codes of consecutive 64-byte chunks, each put in the lane order Pairs' vpermb makes
   static std::vector<uint8_t> reorder(const std::vector<uint8_t>& w) {
     std::vector<uint8_t> r(w.size());
