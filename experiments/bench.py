@@ -103,7 +103,7 @@ def probe_frac(nbytes: int, times: list[float], pbytes: int, ptimes: list[float]
     return statistics.median((nbytes / t) / (pbytes / p) for t, p in zip(times, ptimes))
 
 
-def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[dict]:
+def run(ops: list[str], quick: bool, rounds: int, peers: bool = False, points: list[str] | None = None) -> list[dict]:
     timing._read_bw.clear()                 # measured anew for every run
     timing._probe.clear()
     timing._read_bw_sum.clear()
@@ -112,6 +112,8 @@ def run(ops: list[str], quick: bool, rounds: int, peers: bool = False) -> list[d
     rows = []
     for op in ops:
         for case in discover()[op](quick):
+            if points and not any(m in case.shape for m in points):
+                continue
             # The previous case's peer callables hold that shape's peer weight copies: drop them
             # before this case may build another shape's (cases_fused_experts keeps one shape's
             # data at a time; a full --peers run at --threads 1,2 in one process was killed for
@@ -292,6 +294,9 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=None)
     p.add_argument("--threads", default="2", help="torch threads; a comma-separated list runs the table per count")
     p.add_argument("--peers", action="store_true", help="add vLLM CPU and zentorch columns (make peers)")
+    p.add_argument("--points", default=None,
+                   help="comma-separated substrings: time only the points whose name contains one "
+                        "(e.g. 'prefill gpt-oss,T=16'); default: all points of the ops")
     p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
     p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
     p.add_argument("--summarize", nargs="+", metavar="CSV", default=None,
@@ -310,6 +315,11 @@ def main(argv=None) -> int:
     bad = [o for o in ops if o not in known]
     if bad:
         p.error(f"unknown op(s) {', '.join(bad)}; known: {', '.join(sorted(known))}")
+    points = [m for m in a.points.split(",") if m] if a.points else None
+    if points:
+        names = [c.shape for o in ops for c in known[o](a.quick)]
+        if not any(m in n for m in points for n in names):
+            p.error(f"--points {a.points!r} matches no point of {', '.join(ops)}")
     if a.peers:
         from . import peers
         print(f"# peers: {peers.versions()}")
@@ -318,7 +328,7 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
         runs = []
         for k in range(max(1, a.repeat)):
-            rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7), peers=a.peers)
+            rows = run(ops, a.quick, a.rounds or (3 if a.quick else 7), peers=a.peers, points=points)
             for r in rows:
                 r["run"] = k
             if a.repeat > 1:

@@ -223,3 +223,13 @@ def test_real_peers_compute_the_same_layer(name, monkeypatch):
         assert rel < 2e-2, (peer, rel)
         ran += 1
     assert ran >= 1
+
+
+def test_points_filter_times_only_the_matching_points(fake_cases, capsys):
+    rows = bench.run(["fake"], quick=True, rounds=2, peers=False, points=["no peers"])
+    assert [r["shape"] for r in rows] == ["point B (no peers)"]
+    rows = bench.run(["fake"], quick=True, rounds=2, peers=False, points=["zzz", "point A"])
+    assert [r["shape"] for r in rows] == ["point A"]
+    with pytest.raises(SystemExit):   # a filter that matches nothing is an error, not an empty table
+        bench.main(["--ops", "fake", "--quick", "--points", "nothing like this"])
+    assert "--points 'nothing like this' matches no point of fake" in capsys.readouterr().err

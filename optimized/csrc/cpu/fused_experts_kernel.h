@@ -10,8 +10,10 @@
 //   blocked: decode the tile once into a per-thread bf16 buffer [K/2][4][32] (tagged with
 //            (weights, expert, first group, groups, decoder) and checked before reuse), then
 //            a register block of up to 6 rows x 4 vectors (24 accumulators) streams it for
-//            every chunk of rows. bf16 weights need no decoding: both kernels read the
-//            packed tile directly.
+//            every chunk of rows. mxfp4 fills the buffer during its first chunk instead (Tee:
+//            that chunk runs the tiny kernel's loop and stores what it decodes), so the decode
+//            issues beside that chunk's dps. bf16 weights need no decoding: both kernels read
+//            the packed tile directly.
 // Both decode through the same functions (so the same bf16 weight bits) and run the same dp
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
@@ -294,11 +296,18 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
       pf.step();
       if constexpr (Dec::kStep > 2) {   // group by group: 4 weight vectors live, not 4 x NG
+#pragma GCC unroll 4
         for (int g = 0; g < NG; ++g) {
           W32 w[Dec::kStep];
           dec.get(g, kk, w);
+#pragma GCC unroll 4
           for (int s = 0; s < Dec::kStep; ++s)
-            for (int r = 0; r < R; ++r) acc[r][g] = dp(acc[r][g], x_pair(a + r * lda + 2 * (kk + s)), w[s]);
+#pragma GCC unroll 6
+            for (int r = 0; r < R; ++r) {
+              const uint16_t* ar = a + r * lda + 2 * (kk + s);
+              // more than kTinyRows rows (the blocked path's first chunk, Tee): see x_pair_each
+              acc[r][g] = dp(acc[r][g], R > kTinyRows ? x_pair_each(ar) : x_pair(ar), w[s]);
+            }
         }
         continue;
       }
@@ -338,6 +347,20 @@ inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
     }
   }
 }
+
+// The decoder Dec, also writing every vector it yields into buf at dequant's layout
+// ([K2][NG][32]): the blocked path's first chunk of rows decodes the tile this way, so the
+// buffer fills while that chunk's dps run (the decode's shifts, permutes and stores issue
+// beside the vdpbf16ps) instead of in a pass of its own before them. The same vectors, in the
+// same order, so the same bits as dequant + micro_buf.
+template <int NG, class Dec>
+struct Tee : Dec {
+  uint16_t* buf;
+  void get(int g, int64_t kk, W32* out) const {
+    Dec::get(g, kk, out);
+    for (int s = 0; s < Dec::kStep; ++s) w_store(buf + ((kk + s) * NG + g) * 32, out[s]);
+  }
+};
 
 // ------------------------------------------------------------------------- epilogue
 struct Out {
@@ -477,6 +500,12 @@ inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const
   store_rows<R, NG>(o, p, acc);
 }
 
+// The size of blocked_rows' first chunk of m rows.
+inline int64_t first_chunk_rows(int64_t m) {
+  const int64_t n = fe::cdiv(m, kBlockedRows);
+  return m / n + (m % n ? 1 : 0);
+}
+
 // All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
 // (m = 32: 6, 6, 5, 5, 5, 5).
 // buf: vector (kk, g) at buf + kk * kstride + g * gstride (the dequantized buffer:
@@ -565,10 +594,23 @@ void item_groups(const Item& it, int gbase) {
           Fp8Dec d{w, gb, it.srow, {}};
           dequant<NG>(d, K2, it.buf, it.pf);
         }
-      } else {
-        Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+      } else {   // mxfp4: the first chunk of rows fills the buffer as it runs (Tee)
+        Tee<NG, Mx4Dec<NG>> d{{w, gb, it.tms + gbase * sgb, sgb, {}, {}}, it.buf};
         d.init();
-        dequant<NG>(d, K2, it.buf, it.pf);
+        const int64_t R0 = first_chunk_rows(it.m);
+        switch (R0) {
+          case 1: rows_chunk<1, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+          case 2: rows_chunk<2, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+          case 3: rows_chunk<3, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+          case 4: rows_chunk<4, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+          case 5: rows_chunk<5, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+          default: rows_chunk<6, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
+        }
+        *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
+        if (it.m > R0)
+          blocked_rows<NG>(it.buf, 32, NG * 32, a + R0 * g.lda, g.lda, K2, o, it.p0 + R0, it.m - R0, it.pf,
+                           it.tms + gbase * sgb, sgb);
+        return;
       }
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};

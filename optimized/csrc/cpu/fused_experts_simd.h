@@ -33,6 +33,15 @@ inline XP x_pair(const uint16_t* a) {
   return {_mm512_set1_epi32(int(u))};
 }
 inline Acc dp(Acc c, XP x, W32 w) { return {_mm512_dpbf16_ps(c.v, (__m512bh)w.v, (__m512bh)x.v)}; }
+// x_pair(a) broadcast anew at every use: where one k pair's broadcasts feed many dps of
+// different weight vectors (run_rows group by group), sharing them would keep R * kStep
+// broadcast registers live beside the R * NG accumulators, and the compiler would spill the
+// accumulators. A broadcast from memory per dp is cheap; a spill is not.
+inline XP x_pair_each(const uint16_t* a) {
+  XP x = x_pair(a);
+  __asm__ volatile("" : "+v"(x.v));
+  return x;
+}
 #else
 struct XP { __m512 x0, x1; };
 inline XP x_pair(const uint16_t* a) { return {_mm512_set1_ps(bf16_to_f32(a[0])), _mm512_set1_ps(bf16_to_f32(a[1]))}; }
@@ -42,6 +51,7 @@ inline Acc dp(Acc c, XP x, W32 w) {
   return {_mm512_fmadd_ps(x.x1, odd, _mm512_fmadd_ps(x.x0, even, c.v))};
 }
 #endif
+
 
 #elif MOELAB_ISA_LEVEL == 1
 struct W32 { __m256i lo, hi; };   // columns 0-7, 8-15
@@ -97,6 +107,10 @@ inline Acc dp(Acc c, XP x, W32 w) {
   }
   return c;
 }
+#endif
+
+#if MOELAB_ISA_LEVEL != 3
+inline XP x_pair_each(const uint16_t* a) { return x_pair(a); }
 #endif
 
 // ------------------------------------------------------------------------ f32 math
