@@ -60,7 +60,9 @@ verify-peers: setup
 # threads, 3 whole runs, each run and thread count its own process (one process's --repeat 3, and
 # one full-grid process at --threads 1,2, were killed for memory on 24 GB), then the summary over
 # the three per thread count (experiments/peers.py; tables and
-# reports/bench_peers_run{1,2,3}_{1,2}t.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops).
+# reports/bench_peers_run{1,2,3}_{1,2}t.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops);
+# POINTS: only the points whose name contains one of these comma-separated substrings
+# (e.g. POINTS="prefill gpt-oss,T=16"; bench --points).
 PEER_OPS ?= route,router_gemm,fused_experts
 bench: setup
 ifeq ($(filter-out 0,$(PEERS)),)
@@ -68,7 +70,7 @@ ifeq ($(filter-out 0,$(PEERS)),)
 else
 	mkdir -p reports
 	for k in 1 2 3; do for t in 1 2; do \
-		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) --peers --threads $$t \
+		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) $(if $(POINTS),--points "$(POINTS)",) --peers --threads $$t \
 			--csv reports/bench_peers_run$${k}_$${t}t.csv || exit 1; \
 	done; done
 	$(VPY) -m experiments.bench --summarize $(foreach k,1 2 3,$(foreach t,1 2,reports/bench_peers_run$(k)_$(t)t.csv))

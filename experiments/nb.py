@@ -300,31 +300,45 @@ def gpu_results(op: str | None = None):
     return df
 
 
-PEER_RUNS = ("bench_peers_dec02_run*.csv", "bench_peers_dec02_full_*.csv")
+# The committed peer runs the notebooks show, oldest first: three whole runs per thread count in
+# each set. A later set replaces an earlier set's rows of the same (op, point, threads): it was
+# measured after a kernel change (or over more runs) and is what docs/performance.md quotes.
+PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, decode T = 1, 4
+             "bench_peers_dec02_grid_*t_run*.csv",    # fused_experts, full grid (T = 16, prefill)
+             "bench_peers_dec02_tee_*t_run*.csv")     # mxfp4 prefill after the Tee change
 
 
 def peer_results(op: str):
     """The committed `python -m experiments.bench --peers` rows of `op` (experiments/results/*/
-    bench_peers_dec02_run*.csv and bench_peers_dec02_full_*.csv: the runs docs/performance.md quotes),
-    as `peer_table` frames them. The peers (vLLM CPU, zentorch) are optional installs, so a
-    notebook shows these committed measurements rather than timing the peers itself. Read from
-    the repository's results even when this run writes elsewhere (MOELAB_NB_OUT). Empty frame
-    (and a printed note) when there are none."""
+    PEER_RUNS, a later set replacing an earlier one point by point), as `peer_table` frames them.
+    The peers (vLLM CPU, zentorch) are optional installs, so a notebook shows these committed
+    measurements rather than timing the peers itself. Read from the repository's results even
+    when this run writes elsewhere (MOELAB_NB_OUT). Empty frame (and a printed note) when there
+    are none."""
     import pandas as pd
-    frames = []
+    sets = []
     for pattern in PEER_RUNS:
+        frames = []
         for path in sorted((ROOT / "experiments" / "results").glob(f"*/{pattern}")):
             df = pd.read_csv(path)
             df = df[df["op"] == op].copy()
             if len(df):
                 df["machine"], df["file"] = path.parent.name, path.name
                 frames.append(df)
-    if not frames:
-        print(f"No committed peer runs for {op} (experiments/results/*/bench_peers_dec02_run*.csv; "
+        if frames:
+            sets.append(pd.concat(frames, ignore_index=True))
+    if not sets:
+        print(f"No committed peer runs for {op} (experiments/results/*/{PEER_RUNS[0]}; "
               f"`make peers` then `make bench PEERS=1` makes them).")
         return pd.DataFrame(columns=["machine", "file", "threads", "shape", "impl", "vs_ours"])
-    print(f"Committed peer runs of {op}: " + ", ".join(sorted({f"{f['machine'].iloc[0]}/{f['file'].iloc[0]}" for f in frames})))
-    return peer_table(pd.concat(frames, ignore_index=True))
+    key = ["machine", "shape", "threads"]
+    kept = []
+    for i, df in enumerate(sets):
+        later = {tuple(k) for s in sets[i + 1:] for k in s[key].itertuples(index=False)}
+        kept.append(df[[tuple(k) not in later for k in df[key].itertuples(index=False)]])
+    df = pd.concat(kept, ignore_index=True)
+    print(f"Committed peer runs of {op}: " + ", ".join(sorted({f"{m}/{f}" for m, f in zip(df['machine'], df['file'])})))
+    return peer_table(df)
 
 
 def peer_table(df):

@@ -205,3 +205,31 @@ def test_tiny_run_verdicts_follow_the_pair_rule(tiny_run):
     _verdict_rule_for_pairs(rows, "tiny run")
     eager = [r for r in rows if r["claim_id"] == "004-896-16-512/eager-chain"]
     assert len(eager) == 1 and eager[0]["verdict"].startswith("analogue (")
+
+
+def test_peer_results_later_set_replaces_earlier_rows_point_by_point(tmp_path, monkeypatch):
+    """nb.peer_results reads the PEER_RUNS sets in order; a point (op, shape, threads) measured
+    again by a later set shows only the later set's rows, every other point keeps its rows."""
+    pytest.importorskip("pandas")
+    d = tmp_path / "experiments" / "results" / "m"
+    d.mkdir(parents=True)
+    cols = ["op", "shape", "threads", "impl", "speedup", "ours_vs"]
+
+    def write(name, rows):
+        with open(d / name, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(cols)
+            w.writerows(rows)
+
+    write("old_1.csv", [["fe", "A", 2, "moelab", 5.0, ""], ["fe", "A", 2, "peer", 5.0, 1.04],
+                        ["fe", "B", 2, "moelab", 3.0, ""], ["fe", "B", 2, "peer", 3.0, 0.9],
+                        ["other", "A", 2, "peer", 1.0, 7.0]])
+    write("new_1.csv", [["fe", "A", 2, "moelab", 5.5, ""], ["fe", "A", 2, "peer", 5.5, 1.15]])
+    monkeypatch.setattr(nb, "ROOT", tmp_path)
+    monkeypatch.setattr(nb, "PEER_RUNS", ("old_*.csv", "new_*.csv"))
+    t = nb.peer_results("fe")
+    got = {(r.shape, r.impl, r.file): r.vs_ours for r in t.itertuples()}
+    assert got == {("A", "eager (this notebook's baseline)", "new_1.csv"): 5.5, ("A", "peer", "new_1.csv"): 1.15,
+                   ("B", "eager (this notebook's baseline)", "old_1.csv"): 3.0, ("B", "peer", "old_1.csv"): 0.9}
+    monkeypatch.setattr(nb, "PEER_RUNS", ("none_*.csv",))
+    assert nb.peer_results("fe").empty
