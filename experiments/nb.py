@@ -305,7 +305,9 @@ def gpu_results(op: str | None = None):
 # measured after a kernel change (or over more runs) and is what docs/performance.md quotes.
 PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, decode T = 1, 4
              "bench_peers_dec02_grid_*t_run*.csv",    # fused_experts, full grid (T = 16, prefill)
-             "bench_peers_dec02_tee_*t_run*.csv")     # mxfp4 prefill after the Tee change
+             "bench_peers_dec02_rerun_*t_run*.csv",   # the grid's missed points again
+             "bench_peers_dec02_tee_*t_run*.csv",     # mxfp4 prefill after the Tee change
+             "bench_peers_dec02_paced_*t_run*.csv")   # bf16 T = 16 and every prefill after paced prefetch
 
 
 def peer_results(op: str):
