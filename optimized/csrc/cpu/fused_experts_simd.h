@@ -34,9 +34,11 @@ inline XP x_pair(const uint16_t* a) {
 }
 inline Acc dp(Acc c, XP x, W32 w) { return {_mm512_dpbf16_ps(c.v, (__m512bh)w.v, (__m512bh)x.v)}; }
 // x_pair(a) broadcast anew at every use: where one k pair's broadcasts feed many dps of
-// different weight vectors (run_rows group by group), sharing them would keep R * kStep
-// broadcast registers live beside the R * NG accumulators, and the compiler would spill the
-// accumulators. A broadcast from memory per dp is cheap; a spill is not.
+// different weight vectors (run_rows group by group, 6 rows), sharing them keeps R * kStep
+// broadcast registers live beside the R * NG accumulators and GCC spilled the accumulators
+// (no faster than a separate decode pass). A broadcast per dp costs issue slots (1.14x the
+// time of bare dps, 6 per 24 dps are free: dp_broadcast.txt); the spills cost more
+// (fe_mxfp4_tee.txt).
 inline XP x_pair_each(const uint16_t* a) {
   XP x = x_pair(a);
   __asm__ volatile("" : "+v"(x.v));
@@ -51,7 +53,6 @@ inline Acc dp(Acc c, XP x, W32 w) {
   return {_mm512_fmadd_ps(x.x1, odd, _mm512_fmadd_ps(x.x0, even, c.v))};
 }
 #endif
-
 
 #elif MOELAB_ISA_LEVEL == 1
 struct W32 { __m256i lo, hi; };   // columns 0-7, 8-15
