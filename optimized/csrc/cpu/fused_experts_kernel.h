@@ -502,10 +502,10 @@ inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const
   store_rows<R, NG>(o, p, acc);
 }
 
-// The size of blocked_rows' first chunk of m rows.
-inline int64_t first_chunk_rows(int64_t m) {
+// The size of chunk c of blocked_rows' cdiv(m, kBlockedRows) balanced chunks of m rows.
+inline int64_t chunk_rows(int64_t m, int64_t c) {
   const int64_t n = fe::cdiv(m, kBlockedRows);
-  return m / n + (m % n ? 1 : 0);
+  return m / n + (c < m % n ? 1 : 0);
 }
 
 // All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
@@ -516,10 +516,9 @@ template <int NG>
 inline void blocked_rows(const uint16_t* buf, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
                          int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf,
                          const uint8_t* ms = nullptr, int64_t sgb = 0) {
-  const int64_t n = fe::cdiv(m, kBlockedRows), base = m / n, extra = m % n;
   int64_t r0 = 0;
-  for (int64_t c = 0; c < n; ++c) {
-    const int64_t R = base + (c < extra ? 1 : 0);
+  for (int64_t c = 0; r0 < m; ++c) {
+    const int64_t R = chunk_rows(m, c);
     const uint16_t* ar = a + r0 * lda;
     switch (R) {
       case 1: micro_buf<1, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
@@ -599,7 +598,7 @@ void item_groups(const Item& it, int gbase) {
       } else {   // mxfp4: the first chunk of rows fills the buffer as it runs (Tee)
         Tee<NG, Mx4Dec<NG>> d{{w, gb, it.tms + gbase * sgb, sgb, {}, {}}, it.buf};
         d.init();
-        const int64_t R0 = first_chunk_rows(it.m);
+        const int64_t R0 = chunk_rows(it.m, 0);
         switch (R0) {
           case 1: rows_chunk<1, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
           case 2: rows_chunk<2, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
