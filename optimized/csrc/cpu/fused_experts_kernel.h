@@ -720,7 +720,7 @@ inline bool tile_needs_slow_fast(int q, const uint8_t* w, int64_t ng, int64_t K,
 
 }  // namespace
 
-void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratch) {
+void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next, uint8_t* scratch) {
   const int q = g.quant;
   const int64_t N = g.N, K = g.K, N16 = fe::n16(N), ntiles = fe::n_tiles(N);
   const int64_t gb = group_bytes(q, K), sgb = fe::mx_scale_group_bytes(K);
@@ -739,7 +739,7 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, uint8_t* scratc
     Prefetch pf;
     Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
-    if (g.packed && i + 1 < i1) {   // prefetch the next item's tile over this item's k steps
+    if (g.packed && i + 1 < i_next) {   // prefetch the next item's tile over this item's k steps
       const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
       const int64_t ng1 = imin_(fe::kTileGroups, N16 - t1 * fe::kTileGroups);
       pf.p = reinterpret_cast<const char*>(g.w + e1 * N16 * gb + t1 * fe::kTileGroups * gb);

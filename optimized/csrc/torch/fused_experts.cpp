@@ -9,6 +9,7 @@
 // torch.ops.moelab call with hostile arguments raises RuntimeError instead of reading or
 // writing out of bounds. (apply_router_weight_on_input is a schema bool: a value the dispatcher
 // cannot read as one is refused there, naming the op and the argument.)
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <memory>
@@ -95,23 +96,32 @@ void check_bias(const c10::optional<at::Tensor>& b, int64_t E, int64_t N, const 
 }
 
 // Work items (expert, tile) of one pass, in one band of tiles per thread: band b holds, for
-// every routed expert in turn, the tiles [b*nt/B, (b+1)*nt/B). at::parallel_for gives each
-// thread a contiguous range, i.e. about one band: every thread gets its share of every
-// expert's tiles (a hot expert is split across threads, the cost stays balanced under any
-// routing skew), and walks its band expert by expert, so an expert's rows stay in L2 across
-// its tiles and the next item's weights (prefetched) are the next tile of the same expert.
+// every routed expert in turn, the tiles [b*nt/B, (b+1)*nt/B). Thread b runs its band (every
+// thread gets its share of every expert's tiles, so a hot expert is split across threads and
+// the cost stays balanced under any routing skew) expert by expert, so an expert's rows stay
+// in L2 across its tiles and the next item's weights (prefetched) are the next tile of the
+// same expert. A thread that finishes its band early takes the rest of another band's items
+// from its far end (run_gemm): the bands are equal in work, not in time on a shared machine.
 // The order never changes a result: every output element belongs to exactly one item.
-std::vector<int32_t> make_items(const std::vector<int64_t>& offsets, int64_t E, int64_t N) {
-  std::vector<int32_t> items;
+struct Work {
+  std::vector<int32_t> items;   // [n][2] = (expert, tile)
+  std::vector<int64_t> band;    // band b: items [band[b], band[b+1])
+};
+
+Work make_items(const std::vector<int64_t>& offsets, int64_t E, int64_t N) {
+  Work w;
   const int64_t nt = fe::n_tiles(N), B = std::max<int64_t>(1, at::get_num_threads());
-  for (int64_t b = 0; b < B; ++b)
+  w.band.push_back(0);
+  for (int64_t b = 0; b < B; ++b) {
     for (int64_t e = 0; e < E; ++e)
       if (offsets[e + 1] > offsets[e])
         for (int64_t t = b * nt / B; t < (b + 1) * nt / B; ++t) {
-          items.push_back(int32_t(e));
-          items.push_back(int32_t(t));
+          w.items.push_back(int32_t(e));
+          w.items.push_back(int32_t(t));
         }
-  return items;
+    w.band.push_back(int64_t(w.items.size() / 2));
+  }
+  return w;
 }
 
 // The per-call intermediates (gathered x, h, a, y, the f32 combine) live in one buffer. Up
@@ -141,14 +151,49 @@ uint8_t* workspace(int64_t bytes, at::Tensor& owned) {
 
 int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
 
-void run_gemm(const cpu::FeGemm& g, int64_t n_items) {
+// The items left in a band, [front, back), in one word, so that the owner taking from the
+// front and a thief taking from the back agree with one compare-exchange.
+struct alignas(64) BandLeft {
+  std::atomic<uint64_t> v;
+  static uint64_t pack(int64_t front, int64_t back) { return uint64_t(front) | uint64_t(back) << 32; }
+  // Takes up to n items from the front (own) or the back (thief); false when none are left.
+  bool take(int64_t n, bool own, int64_t& i0, int64_t& i1) {
+    uint64_t cur = v.load(std::memory_order_relaxed);
+    for (;;) {
+      const int64_t f = int64_t(cur & 0xffffffffu), b = int64_t(cur >> 32);
+      if (f >= b) return false;
+      i0 = own ? f : std::max(f, b - n);
+      i1 = own ? std::min(b, f + n) : b;
+      const uint64_t next = own ? pack(i1, b) : pack(f, i0);
+      if (v.compare_exchange_weak(cur, next, std::memory_order_relaxed)) return true;
+    }
+  }
+};
+
+// One GEMM pass over w's items. Thread t runs band t from its front, a few items at a time;
+// then it takes items from the back of the bands still running, one or two at a time, so the
+// two ends meet and no thread waits for a slower one by more than ~an item. Which thread runs
+// an item never changes its result (the kernel is the same and every item's outputs are its
+// own), so this keeps batch invariance and bit-for-bit determinism.
+constexpr int64_t kOwnChunk = 4, kStealChunk = 2;
+
+void run_gemm(const cpu::FeGemm& g, const Work& w) {
   auto* fn = MOELAB_PICK(fused_experts_gemm);
   const int64_t bytes = fe::scratch_bytes(g.quant, g.K) + 64;
-  at::parallel_for(0, n_items, 1, [&](int64_t i0, int64_t i1) {
+  const int64_t B = int64_t(w.band.size()) - 1;
+  std::unique_ptr<BandLeft[]> left(new BandLeft[size_t(B)]);
+  for (int64_t b = 0; b < B; ++b) left[b].v.store(BandLeft::pack(w.band[b], w.band[b + 1]));
+  at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint8_t> scratch(static_cast<size_t>(bytes));   // per thread, per call: nothing survives
     uint8_t* s = scratch.data();
     s += (64 - reinterpret_cast<uintptr_t>(s) % 64) % 64;
-    fn(g, i0, i1, s);
+    int64_t i0, i1;
+    for (int64_t b = b0; b < b1; ++b)
+      while (left[b].take(kOwnChunk, true, i0, i1)) fn(g, i0, i1, w.band[b + 1], s);
+    for (int64_t k = 0; k < B; ++k) {
+      const int64_t b = (b1 + k) % B;
+      while (left[b].take(kStealChunk, false, i0, i1)) fn(g, i0, i1, i1, s);
+    }
   });
 }
 
@@ -289,9 +334,9 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   g1.offsets = offsets.data();
   g1.policy = int(policy);
   g1.m_cross = m_cross;
-  const std::vector<int32_t> items1 = make_items(offsets, E, N1);
-  g1.items = items1.data();
-  run_gemm(g1, int64_t(items1.size() / 2));
+  const Work work1 = make_items(offsets, E, N1);
+  g1.items = work1.items.data();
+  run_gemm(g1, work1);
 
   // 4. Activation: a = bf16(act(h)).
   {
@@ -327,9 +372,9 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
     });
     g2.init = yb;
   }
-  const std::vector<int32_t> items2 = make_items(offsets, E, N2);
-  g2.items = items2.data();
-  run_gemm(g2, int64_t(items2.size() / 2));
+  const Work work2 = make_items(offsets, E, N2);
+  g2.items = work2.items.data();
+  run_gemm(g2, work2);
   if (rows) {   // y back to slot order; dropped slots stay 0
     at::Tensor out = rows_out();
     float* op = out.data_ptr<float>();
