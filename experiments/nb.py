@@ -307,7 +307,8 @@ PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, deco
              "bench_peers_dec02_grid_*t_run*.csv",    # fused_experts, full grid (T = 16, prefill)
              "bench_peers_dec02_rerun_*t_run*.csv",   # the grid's missed points again
              "bench_peers_dec02_tee_*t_run*.csv",     # mxfp4 prefill after the Tee change
-             "bench_peers_dec02_paced_*t_run*.csv")   # bf16 T = 16 and every prefill after paced prefetch
+             "bench_peers_dec02_paced_*t_run*.csv",   # bf16 T = 16 and every prefill after paced prefetch
+             "bench_peers_dec03_steal_*t_run*.csv")   # the same points after work stealing
 
 
 def peer_results(op: str):
