@@ -446,14 +446,23 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 }
 
 // The blocked micro-kernel: R rows x NG vectors over bf16 weight vectors at
-// b + kk * kstride + g * gstride. The same dp sequence per output element as run_rows (kk
-// ascending), written so the pointers stay in registers (4 loads, R broadcasts, R * NG
-// vdpbf16ps per k pair). ms (mxfp4's fast path: the buffer holds unscaled e2m1 weights): the
-// packed scales of the NG groups (sgb bytes apart); the accumulators are rescaled at every
-// 32-k block as run_rows does with Mx4Dec, so the same bits.
-template <int R, int NG>
-inline void micro_buf(const uint16_t* b, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
-                      int64_t K2, const Out& o, int64_t p, Prefetch* pf, const uint8_t* ms, int64_t sgb) {
+// b + kk * kstride + g * gstride: the packed bf16 weights themselves (kPacked: kstride = 32,
+// gstride = the group's K2 * 32) or the dequantized buffer (kstride = NG * 32, gstride = 32).
+// The same dp sequence per output element as run_rows (kk ascending), written so the pointers
+// stay in registers (4 loads, R broadcasts, R * NG vdpbf16ps per k pair). The strides the
+// layout fixes are compile-time constants, and the function is never inlined: with both
+// strides in registers GCC spilled one to the stack inside the k loop (reloaded every pair),
+// and inlined into blocked_rows it kept the accumulators in memory (2.4x slower). With them
+// constant: OLMoE bf16 T = 512 1.045x / 1.051x (1 / 2 threads), GPT-OSS mxfp4 T = 512 1.016x /
+// 1.042x, decode unchanged (fe_micro_buf_strides.txt). ms (mxfp4's fast path: the buffer holds
+// unscaled e2m1 weights): the packed scales of the NG groups (sgb bytes apart); the
+// accumulators are rescaled at every 32-k block as run_rows does with Mx4Dec, so the same bits.
+template <int R, int NG, bool kPacked>
+__attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_gstride, const uint16_t* a, int64_t lda,
+                                         int64_t K2, const Out& o, int64_t p, Prefetch* pf, const uint8_t* ms,
+                                         int64_t sgb) {
+  constexpr int64_t kstride = kPacked ? 32 : NG * 32;
+  const int64_t gstride = kPacked ? packed_gstride : 32;
   Acc acc[R][NG];
   acc_begin<R, NG>(o, p, acc);
 #if MOELAB_ISA_LEVEL >= 2
@@ -509,11 +518,10 @@ inline int64_t chunk_rows(int64_t m, int64_t c) {
 }
 
 // All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
-// (m = 32: 6, 6, 5, 5, 5, 5).
-// buf: vector (kk, g) at buf + kk * kstride + g * gstride (the dequantized buffer:
-// kstride = NG * 32, gstride = 32; bf16 packed weights: kstride = 32, gstride = K2 * 32).
-template <int NG>
-inline void blocked_rows(const uint16_t* buf, int64_t gstride, int64_t kstride, const uint16_t* a, int64_t lda,
+// (m = 32: 6, 6, 5, 5, 5, 5). buf: the dequantized buffer, or with kPacked the packed bf16
+// tile (its groups packed_gstride elements apart; micro_buf).
+template <int NG, bool kPacked>
+inline void blocked_rows(const uint16_t* buf, int64_t packed_gstride, const uint16_t* a, int64_t lda,
                          int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf,
                          const uint8_t* ms = nullptr, int64_t sgb = 0) {
   int64_t r0 = 0;
@@ -521,12 +529,12 @@ inline void blocked_rows(const uint16_t* buf, int64_t gstride, int64_t kstride, 
     const int64_t R = chunk_rows(m, c);
     const uint16_t* ar = a + r0 * lda;
     switch (R) {
-      case 1: micro_buf<1, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 2: micro_buf<2, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 3: micro_buf<3, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 4: micro_buf<4, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 5: micro_buf<5, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      default: micro_buf<6, NG>(buf, gstride, kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 1: micro_buf<1, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 2: micro_buf<2, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 3: micro_buf<3, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 4: micro_buf<4, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 5: micro_buf<5, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      default: micro_buf<6, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
     }
     r0 += R;
   }
@@ -568,7 +576,7 @@ void item_groups(const Item& it, int gbase) {
 
   if (g.quant == fe::kBF16) {   // the packed tile is already bf16: both kernels read it directly
     const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
-    if (it.blocked) blocked_rows<NG>(wb, K2 * 32, 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    if (it.blocked) blocked_rows<NG, true>(wb, K2 * 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
     else all_rows<NG, kTinyRows>(LoadDec{wb, K2 * 32}, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
@@ -609,7 +617,7 @@ void item_groups(const Item& it, int gbase) {
         }
         *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
         if (it.m > R0)
-          blocked_rows<NG>(it.buf, 32, NG * 32, a + R0 * g.lda, g.lda, K2, o, it.p0 + R0, it.m - R0, it.pf,
+          blocked_rows<NG, false>(it.buf, 0, a + R0 * g.lda, g.lda, K2, o, it.p0 + R0, it.m - R0, it.pf,
                            it.tms + gbase * sgb, sgb);
         return;
       }
@@ -618,7 +626,7 @@ void item_groups(const Item& it, int gbase) {
     }
     // mxfp4's fast decoder leaves the scales to the accumulators (Mx4Dec)
     const bool rescaled = g.quant == fe::kMXFP4 && !use_exact;
-    blocked_rows<NG>(it.buf, 32, NG * 32, a, g.lda, K2, o, it.p0, it.m, it.pf,
+    blocked_rows<NG, false>(it.buf, 0, a, g.lda, K2, o, it.p0, it.m, it.pf,
                      rescaled ? it.tms + gbase * sgb : nullptr, sgb);
     return;
   }
