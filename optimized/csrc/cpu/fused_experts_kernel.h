@@ -452,7 +452,7 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 // stay in registers (4 loads, R broadcasts, R * NG vdpbf16ps per k pair). The strides the
 // layout fixes are compile-time constants, and the function is never inlined: with both
 // strides in registers GCC spilled one to the stack inside the k loop (reloaded every pair),
-// and inlined into blocked_rows it kept the accumulators in memory (2.4x slower). With them
+// and inlined into blocked_rows it kept the accumulators in memory (~2.4x slower). With them
 // constant: OLMoE bf16 T = 512 1.045x / 1.051x (1 / 2 threads), GPT-OSS mxfp4 T = 512 1.016x /
 // 1.042x, decode unchanged (fe_micro_buf_strides.txt). ms (mxfp4's fast path: the buffer holds
 // unscaled e2m1 weights): the packed scales of the NG groups (sgb bytes apart); the
