@@ -388,6 +388,28 @@ def test_threads_and_prepacked_bitwise(level, quant):
         assert torch.equal(bits(again), bits(two))
 
 
+@pytest.mark.parametrize("quant", QUANTS)
+def test_work_stealing_runs_every_item_once(quant):
+    """2 threads split each GEMM pass into bands that steal from each other (csrc/torch/
+    fused_experts.cpp, run_gemm). With 3 tiles per expert in both passes (2I = H = 192) band 0
+    holds 1 tile of every expert and band 1 holds 2, so thread 0 runs out first and takes band
+    1's items from the back while thread 1 takes them from the front. fused_experts_rows with
+    y_init starts each output's accumulator from what the row holds, so an item run twice would
+    add its products twice, and a skipped one would leave y_init: either changes the bits
+    against one thread (one band, no stealing). Repeated, since which items get stolen depends
+    on timing."""
+    x, w13, w2, tw, ids, kw = make_case(quant, "silu", 8, 192, 96, 48, 2, seed=11)
+    y0 = torch.randn(ids.numel(), 192, generator=torch.Generator().manual_seed(3))
+    with threads(1):
+        one = optimized.fused_experts_rows(x, w13, w2, tw, ids, y_init=y0, **kw)
+        full1 = optimized.fused_experts(x, w13, w2, tw, ids, **kw)
+    with threads(2):
+        for _ in range(20):
+            two = optimized.fused_experts_rows(x, w13, w2, tw, ids, y_init=y0, **kw)
+            assert torch.equal(two.view(torch.int32), one.view(torch.int32))
+            assert torch.equal(bits(optimized.fused_experts(x, w13, w2, tw, ids, **kw)), bits(full1))
+
+
 # ----------------------------------------- apply_router_weight_on_input (SPEC 6)
 def weighted(kw):
     return dict(kw, apply_router_weight_on_input=True)
