@@ -49,9 +49,9 @@ struct FeGemm {
 }  // namespace moelab::cpu
 
 // Work items [i0, i1) of one GEMM pass. Each item prefetches the next one's weights while it
-// computes; i_next >= i1: the last one prefetches item i1 too if i1 < i_next (the caller
-// will most likely run it next; a hint, never a dependence). scratch: fe::scratch_bytes(quant, K) bytes,
-// owned by the calling thread for the duration of the call.
+// computes; with i_next > i1 the last one prefetches item i1 too (the caller will most likely
+// run it next: a hint, never a dependence). scratch: fe::scratch_bytes(quant, K) bytes, owned
+// by the calling thread for the duration of the call.
 MOELAB_CPU_KERNEL(void, fused_experts_gemm,
                   (const moelab::cpu::FeGemm& g, int64_t i0, int64_t i1, int64_t i_next, uint8_t* scratch))
 
