@@ -631,6 +631,34 @@ def test_mxfp4_fast_range_edges(level):
         reference_check(x, w13, w2, tw, ids, kw, out)
 
 
+@pytest.mark.parametrize("level", ["avx512", "avx512_bf16"])
+def test_mxfp4_plain_units_only_where_bits_agree(level):
+    """mxfp4's blocked path runs in plain units (the weights scaled, no rescaling) only when
+    the GEMM's inputs guarantee the bits of the rescaled units tiny uses (FeGemm::mx_scaled:
+    every input 0 or of magnitude in [2^-47, 2^40)). One token of magnitude ~2^125 against
+    scales of 2^-32: in rescaled units its GEMM1 sums pass 2^128 (inf; swiglu_oai makes a -inf
+    gate NaN), in plain units they stay near 2^99 (clamped to finite). Its presence must make the whole GEMM rescaled, so tiny and blocked agree
+    on every token, that token alone gives its bits in the batch, and the other tokens keep the
+    bits they have in a batch without it (where the plain units run)."""
+    E, H, I, K, T = 2, 128, 64, 1, 40
+    with isa(level):
+        w13, w2, s13, s2 = (t.clone() for t in make_weights("mxfp4", E, H, I))
+        s13[:] = 95                                          # 2^-32, still the fast path
+        x, _, _, tw, ids, kw = make_case("mxfp4", "swiglu_oai", E, H, I, T, K, seed=8, bias=False)
+        kw.update(w13_scale=s13, w2_scale=s2)
+        x[0] = (x[0].float() * 2.0 ** 125).bfloat16()
+        assert int((ids == ids[0, 0]).sum()) >= 10           # token 0's expert block is blocked
+        tiny = optimized.fused_experts(x, w13, w2, tw, ids, dispatch="tiny", **kw)
+        blocked = optimized.fused_experts(x, w13, w2, tw, ids, dispatch="blocked", **kw)
+        assert not torch.isfinite(tiny[0].float()).all()     # the rescaled units' overflow
+        assert torch.equal(bits(blocked), bits(tiny))
+        alone = optimized.fused_experts(x[:1], w13, w2, tw[:1], ids[:1], dispatch="blocked", **kw)
+        assert torch.equal(bits(alone[0]), bits(blocked[0]))
+        rest = optimized.fused_experts(x[1:], w13, w2, tw[1:], ids[1:], dispatch="blocked", **kw)
+        assert torch.equal(bits(rest), bits(blocked[1:]))
+        assert torch.isfinite(rest.float()).all()
+
+
 # ------------------------------------------------------------------------ errors
 def _errs():
     x, w13, w2, tw, ids, kw = make_case("fp8_block", "silu", 3, 64, 32, 4, 2, seed=1)

@@ -1,7 +1,7 @@
 // How much a broadcast costs beside vdpbf16ps on this machine: 24 independent accumulators
 // per iteration (a 6-row x 4-vector register block), with the activation pairs broadcast
 // 6 times per 24 dps (micro_buf's loop), loaded pre-broadcast (6 full-vector loads), or
-// broadcast once per dp (24 per 24 dps: the blocked mxfp4 path's first chunk, x_pair_each).
+// broadcast once per dp (24 per 24 dps: what the blocked mxfp4 path's first chunk did until micro_tee).
 // Best of 30 rounds of 200000 iterations, ns per vdpbf16ps, one core.
 //   g++ -O2 -march=native experiments/micro/dp_broadcast.cpp -o /tmp/dp_broadcast && /tmp/dp_broadcast
 // Results: experiments/results/<machine>/dp_broadcast.txt
@@ -37,7 +37,7 @@ __attribute__((noinline)) double run(int N) {
 #pragma GCC unroll 24
       for (int j = 0; j < 24; ++j) {
         __m512i x = _mm512_set1_epi32(int(p[j]));
-        __asm__ volatile("" : "+v"(x));   // as x_pair_each: not shared between dps
+        __asm__ volatile("" : "+v"(x));   // not shared between dps
         a[j] = _mm512_dpbf16_ps(a[j], (__m512bh)w[0], (__m512bh)x);
       }
     }

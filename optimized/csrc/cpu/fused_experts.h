@@ -44,6 +44,11 @@ struct FeGemm {
   const int32_t* items;      // [n_items][2] = (expert, tile)
   int policy;                // FePolicy
   int64_t m_cross;
+  bool mx_scaled;            // mxfp4's blocked fast path decodes the tile scaled (the exact
+                             // weights: no rescaling; fused_experts_kernel.h, micro_tee). Set
+                             // only where that gives the same bits as the rescaled units: no
+                             // init, K <= 2^20, and every element of a's rows 0 or of magnitude
+                             // in [2^-47, 2^40) (fused_experts_mx_range)
 };
 
 }  // namespace moelab::cpu
@@ -54,6 +59,12 @@ struct FeGemm {
 // by the calling thread for the duration of the call.
 MOELAB_CPU_KERNEL(void, fused_experts_gemm,
                   (const moelab::cpu::FeGemm& g, int64_t i0, int64_t i1, int64_t i_next, uint8_t* scratch))
+
+// Whether every element of rows [p0, p1) of a (n bf16 values each, lda apart) is +-0 or of
+// magnitude in [2^-47, 2^40) (bf16 bits & 0x7fff in [0x2800, 0x537f]): FeGemm::mx_scaled's
+// condition on the GEMM's input. false below the avx512 levels (no fast mxfp4 decoder there).
+MOELAB_CPU_KERNEL(bool, fused_experts_mx_range,
+                  (const uint16_t* a, int64_t lda, int64_t n, int64_t p0, int64_t p1))
 
 // Rows [p0, p1) of the activation: h[p] (2I bf16, ldh apart) -> a[p] (I bf16, lda apart;
 // a[p][I] is zeroed when lda > I, the pad of an odd I). act: 0 silu, 1 swiglu_oai.

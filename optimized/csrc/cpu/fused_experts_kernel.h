@@ -10,10 +10,10 @@
 //   blocked: decode the tile once into a per-thread bf16 buffer [K/2][4][32] (tagged with
 //            (weights, expert, first group, groups, decoder) and checked before reuse), then
 //            a register block of up to 6 rows x 4 vectors (24 accumulators) streams it for
-//            every chunk of rows. mxfp4 fills the buffer during its first chunk instead (Tee:
-//            that chunk runs the tiny kernel's loop and stores what it decodes), so the decode
-//            issues beside that chunk's dps. bf16 weights need no decoding: both kernels read
-//            the packed tile directly.
+//            every chunk of rows. mxfp4 fills the buffer during its first chunk instead
+//            (micro_tee: that chunk runs the same register block over the codes and stores
+//            what it decodes), so the decode issues beside that chunk's dps. bf16 weights
+//            need no decoding: both kernels read the packed tile directly.
 // Both decode through the same functions (so the same bf16 weight bits) and run the same dp
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
@@ -30,7 +30,9 @@
 //   mxfp4: one 64-byte octet (4 k pairs) -> 3 shifts -> 4 vpermw of the plain e2m1 bf16
 //          patterns; the f32 accumulators are kept in units of the current 32-k block's scale
 //          (multiplied by 2^(e(b-1) - e(b)) at each block, by 2^e(last) at the end): the same
-//          bits as scaling the weights, for scale bytes in [95, 159] (Mx4Dec).
+//          bits as scaling the weights, for scale bytes in [95, 159] (Mx4Dec). The blocked
+//          path scales the weights instead where the inputs guarantee those same bits
+//          (FeGemm::mx_scaled, micro_tee), and then never rescales.
 //   exact: bf16_rne(f32(e4m3(q)) * scale) / bf16_rne(e2m1(c) * 2^(s-127)) per element
 //          (formats.h); an odd K's padding k is exactly 0.
 //
@@ -304,12 +306,8 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
           dec.get(g, kk, w);
 #pragma GCC unroll 4
           for (int s = 0; s < Dec::kStep; ++s)
-#pragma GCC unroll 6
-            for (int r = 0; r < R; ++r) {
-              const uint16_t* ar = a + r * lda + 2 * (kk + s);
-              // more than kTinyRows rows (the blocked path's first chunk, Tee): see x_pair_each
-              acc[r][g] = dp(acc[r][g], R > kTinyRows ? x_pair_each(ar) : x_pair(ar), w[s]);
-            }
+#pragma GCC unroll 4
+            for (int r = 0; r < R; ++r) acc[r][g] = dp(acc[r][g], x_pair(a + r * lda + 2 * (kk + s)), w[s]);
         }
         continue;
       }
@@ -349,20 +347,6 @@ inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
     }
   }
 }
-
-// The decoder Dec, also writing every vector it yields into buf at dequant's layout
-// ([K2][NG][32]): the blocked path's first chunk of rows decodes the tile this way, so the
-// buffer fills while that chunk's dps run (the decode's shifts, permutes and stores issue
-// beside the vdpbf16ps) instead of in a pass of its own before them. The same vectors, in the
-// same order, so the same bits as dequant + micro_buf.
-template <int NG, class Dec>
-struct Tee : Dec {
-  uint16_t* buf;
-  void get(int g, int64_t kk, W32* out) const {
-    Dec::get(g, kk, out);
-    for (int s = 0; s < Dec::kStep; ++s) w_store(buf + ((kk + s) * NG + g) * 32, out[s]);
-  }
-};
 
 // ------------------------------------------------------------------------- epilogue
 struct Out {
@@ -511,6 +495,112 @@ __attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_gstri
   store_rows<R, NG>(o, p, acc);
 }
 
+#if MOELAB_ISA_LEVEL >= 2
+// The words (s[c] - 127) << 7, c = 0..15, each twice (word 2c + p, column c): what adding 2^e
+// to a bf16 adds to its bits, for the 16 columns' scale bytes s of one 32-k block.
+inline __m512i mx_exp_words(const uint8_t* s) {
+  const __m512i d = _mm512_slli_epi32(
+      _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)s)), _mm512_set1_epi32(127)), 7);
+  const __m512i lo = _mm512_and_si512(d, _mm512_set1_epi32(0xffff));
+  return _mm512_or_si512(lo, _mm512_slli_epi32(lo, 16));
+}
+
+// mxfp4's blocked path, first chunk of rows (R <= 6): micro_buf's loop over the packed codes
+// instead of the buffer. Each k pair decodes its NG weight vectors as Mx4Dec does (the octet
+// of pair kk shifted right by 4 (kk % 4), one vpermw) and stores them into buf at dequant's
+// layout ([K2][NG][32]), so the tile's decode issues beside the chunk's dps and the later
+// chunks stream the buffer (micro_buf). Per k pair: NG octet loads (from L1: an octet serves
+// 4 pairs, reloaded rather than held, which would need NG more registers beside the 24
+// accumulators), NG shifts, NG vpermw, NG stores, R broadcasts, R * NG vdpbf16ps. The next
+// item's tile is prefetched `lines` per octet, as run_rows does with Mx4Dec's 4-pair steps.
+// Replacing run_rows with a decoder that also stored (6 rows, one broadcast per dp): GPT-OSS
+// mxfp4 T = 512 1.026x on 1 and 2 threads (fe_micro_tee.txt).
+//
+// Units. !kScaled: Mx4Dec's, the weights unscaled and the accumulators rescaled at each block
+// (the same bits as run_rows with Mx4Dec); the later chunks rescale too (micro_buf with ms).
+// kScaled (FeGemm::mx_scaled): each nonzero weight gets e added to its exponent field (a
+// vptestmw and a masked vpaddw), which makes it bf16(e2m1 * 2^e), the exact decoder's weight;
+// the dps run in plain units and nothing is rescaled, here or in the later chunks (micro_buf
+// without ms: rescaling cost GPT-OSS T = 512 ~5%, fe_mx_scaled.txt). The two units give the same
+// bits whenever no product, partial sum or rescaled accumulator leaves the normal f32 range in
+// either: every operation then commutes with the power-of-two scaling. The binding sets
+// mx_scaled only where that holds for every output: no init, K <= 2^20, and every input
+// element 0 or of magnitude in [2^-47, 2^40) (fused_experts_mx_range). With |e| <= 32 (the
+// fast path's scale range) and e2m1 magnitudes in [2^-1, 6], a nonzero product is a multiple
+// of 2^(-47 - 1 - 32 - 14) = 2^-94 in plain units, so every nonzero partial sum is too, and at
+// least 2^-126 in the rescaled units (x 2^-e >= 2^-32); no sum of up to 2^20 products
+// reaches 2^(40 + 3 + 32 + 32 + 20) = 2^127 in either. So tiny (always rescaled) and blocked
+// stay bit-identical for every input, and each output's bits depend only on its own row.
+template <int R, int NG, bool kScaled>
+__attribute__((noinline)) void micro_tee(const uint8_t* w, int64_t gb, const uint8_t* ms, int64_t sgb,
+                                         uint16_t* buf, const uint16_t* a, int64_t lda, const Out& o,
+                                         int64_t p, Prefetch* pf) {
+  Acc acc[R][NG];
+  acc_begin<R, NG>(o, p, acc);
+  Mx4Dec<NG> dec{w, gb, ms, sgb, {}, {}};
+  dec.init();
+  const __m512i lut = dec.lut;
+  const int64_t nb = sgb / fe::kGroupN;
+  alignas(64) uint16_t ev[NG][32];   // kScaled: the block's mx_exp_words per group
+  const char* a0 = reinterpret_cast<const char*>(a);
+  const char* a3 = a0 + 3 * lda * 2;
+  const int64_t ld = lda * 2;
+  Prefetch pfl = *pf;
+  const uint8_t* oc = w;   // the current octet of group 0
+  uint16_t* bk = buf;
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    if constexpr (kScaled) {
+      for (int g = 0; g < NG; ++g) _mm512_store_si512(ev[g], mx_exp_words(ms + g * sgb + blk * fe::kGroupN));
+    } else {
+      dec.begin_block(blk);
+      acc_rescale(acc, dec.factor);
+    }
+    for (int j = 0; j < int(fe::kMxBlock / 8); ++j, oc += 64) {   // the block's 4 octets
+      pfl.step();
+#pragma GCC unroll 4
+      for (int s = 0; s < 4; ++s, a0 += 4, a3 += 4, bk += NG * 32) {
+        const uint8_t* os = oc;
+        const uint16_t* es = &ev[0][0];
+        __asm__("" : "+r"(os), "+r"(es));   // reload the octets and exponents for every pair
+        W32 wv[NG];
+        for (int g = 0; g < NG; ++g) {
+          const __m512i d = _mm512_loadu_si512(os + g * gb);
+          wv[g].v = _mm512_permutexvar_epi16(_mm512_srli_epi16(d, 4 * s), lut);
+          if constexpr (kScaled)
+            wv[g].v = _mm512_mask_add_epi16(wv[g].v, _mm512_test_epi16_mask(wv[g].v, _mm512_set1_epi16(0x7fff)),
+                                            wv[g].v, _mm512_load_si512(es + g * 32));
+          w_store(bk + g * 32, wv[g]);
+        }
+        for (int r = 0; r < R; ++r) {
+          const char* ar = r < 3 ? a0 + r * ld : a3 + (r - 3) * ld;
+          const XP x = x_pair(reinterpret_cast<const uint16_t*>(ar));
+          for (int g = 0; g < NG; ++g) acc[r][g] = dp(acc[r][g], x, wv[g]);
+        }
+      }
+    }
+  }
+  if constexpr (!kScaled) {
+    dec.begin_block(nb);
+    acc_rescale(acc, dec.factor);
+  }
+  pf->p = pfl.p;
+  store_rows<R, NG>(o, p, acc);
+}
+
+template <int NG, bool kScaled>
+inline void tee_chunk(int64_t R, const uint8_t* w, int64_t gb, const uint8_t* ms, int64_t sgb, uint16_t* buf,
+                      const uint16_t* a, int64_t lda, const Out& o, int64_t p, Prefetch* pf) {
+  switch (R) {
+    case 1: micro_tee<1, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+    case 2: micro_tee<2, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+    case 3: micro_tee<3, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+    case 4: micro_tee<4, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+    case 5: micro_tee<5, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+    default: micro_tee<6, NG, kScaled>(w, gb, ms, sgb, buf, a, lda, o, p, pf); break;
+  }
+}
+#endif
+
 // The size of chunk c of blocked_rows' cdiv(m, kBlockedRows) balanced chunks of m rows.
 inline int64_t chunk_rows(int64_t m, int64_t c) {
   const int64_t n = fe::cdiv(m, kBlockedRows);
@@ -603,29 +693,22 @@ void item_groups(const Item& it, int gbase) {
           Fp8Dec d{w, gb, it.srow, {}};
           dequant<NG>(d, K2, it.buf, it.pf);
         }
-      } else {   // mxfp4: the first chunk of rows fills the buffer as it runs (Tee)
-        Tee<NG, Mx4Dec<NG>> d{{w, gb, it.tms + gbase * sgb, sgb, {}, {}}, it.buf};
-        d.init();
+      } else {   // mxfp4: the first chunk of rows fills the buffer as it runs (micro_tee)
+        const uint8_t* tms = it.tms + gbase * sgb;
         const int64_t R0 = chunk_rows(it.m, 0);
-        switch (R0) {
-          case 1: rows_chunk<1, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-          case 2: rows_chunk<2, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-          case 3: rows_chunk<3, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-          case 4: rows_chunk<4, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-          case 5: rows_chunk<5, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-          default: rows_chunk<6, NG>(d, a, g.lda, K2, o, it.p0, it.pf); break;
-        }
+        if (g.mx_scaled) tee_chunk<NG, true>(R0, w, gb, tms, sgb, it.buf, a, g.lda, o, it.p0, it.pf);
+        else tee_chunk<NG, false>(R0, w, gb, tms, sgb, it.buf, a, g.lda, o, it.p0, it.pf);
         *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
         if (it.m > R0)
           blocked_rows<NG, false>(it.buf, 0, a + R0 * g.lda, g.lda, K2, o, it.p0 + R0, it.m - R0, it.pf,
-                           it.tms + gbase * sgb, sgb);
+                                  g.mx_scaled ? nullptr : tms, sgb);
         return;
       }
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
-    // mxfp4's fast decoder leaves the scales to the accumulators (Mx4Dec)
-    const bool rescaled = g.quant == fe::kMXFP4 && !use_exact;
+    // mxfp4's fast decoder leaves the scales to the accumulators (Mx4Dec), unless mx_scaled
+    const bool rescaled = g.quant == fe::kMXFP4 && !use_exact && !g.mx_scaled;
     blocked_rows<NG, false>(it.buf, 0, a, g.lda, K2, o, it.p0, it.m, it.pf,
                      rescaled ? it.tms + gbase * sgb : nullptr, sgb);
     return;
@@ -851,6 +934,27 @@ void fused_experts_gather_weighted(const uint16_t* x, int64_t ldx, const float* 
     }
     for (int64_t i = H; i < ldg; ++i) gr[i] = 0;
   }
+}
+
+bool fused_experts_mx_range(const uint16_t* a, int64_t lda, int64_t n, int64_t p0, int64_t p1) {
+#if MOELAB_ISA_LEVEL >= 2
+  // m = bits & 0x7fff: ok where m == 0 or m - 0x2800 <= 0x2b7f (unsigned 16-bit)
+  const __m512i mag = _mm512_set1_epi16(0x7fff), lo = _mm512_set1_epi16(0x2800), span = _mm512_set1_epi16(0x537f - 0x2800);
+  __mmask32 bad = 0;
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint16_t* r = a + p * lda;
+    for (int64_t i = 0; i < n; i += 32) {
+      const __mmask32 live = i + 32 <= n ? ~__mmask32(0) : __mmask32((1u << (n - i)) - 1u);
+      const __m512i m = _mm512_and_si512(_mm512_maskz_loadu_epi16(live, r + i), mag);
+      bad |= _mm512_mask_cmpgt_epu16_mask(_mm512_test_epi16_mask(m, m), _mm512_sub_epi16(m, lo), span);
+    }
+    if (bad) return false;
+  }
+  return true;
+#else
+  (void)a, (void)lda, (void)n, (void)p0, (void)p1;
+  return false;
+#endif
 }
 
 }  // namespace moelab::cpu::MOELAB_ISA_NS

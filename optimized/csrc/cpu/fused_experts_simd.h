@@ -33,17 +33,6 @@ inline XP x_pair(const uint16_t* a) {
   return {_mm512_set1_epi32(int(u))};
 }
 inline Acc dp(Acc c, XP x, W32 w) { return {_mm512_dpbf16_ps(c.v, (__m512bh)w.v, (__m512bh)x.v)}; }
-// x_pair(a) broadcast anew at every use: where one k pair's broadcasts feed many dps of
-// different weight vectors (run_rows group by group, 6 rows), sharing them keeps R * kStep
-// broadcast registers live beside the R * NG accumulators and GCC spilled the accumulators
-// (no faster than a separate decode pass). A broadcast per dp costs issue slots (1.14x the
-// time of bare dps, 6 per 24 dps are free: dp_broadcast.txt); the spills cost more
-// (fe_mxfp4_tee.txt).
-inline XP x_pair_each(const uint16_t* a) {
-  XP x = x_pair(a);
-  __asm__ volatile("" : "+v"(x.v));
-  return x;
-}
 #else
 struct XP { __m512 x0, x1; };
 inline XP x_pair(const uint16_t* a) { return {_mm512_set1_ps(bf16_to_f32(a[0])), _mm512_set1_ps(bf16_to_f32(a[1]))}; }
@@ -108,10 +97,6 @@ inline Acc dp(Acc c, XP x, W32 w) {
   }
   return c;
 }
-#endif
-
-#if MOELAB_ISA_LEVEL != 3
-inline XP x_pair_each(const uint16_t* a) { return x_pair(a); }
 #endif
 
 // ------------------------------------------------------------------------ f32 math

@@ -197,6 +197,24 @@ void run_gemm(const cpu::FeGemm& g, const Work& w) {
   });
 }
 
+// FeGemm::mx_scaled for g over rows [0, P) of g.a: mxfp4, some item blocked, no init, K <=
+// 2^20, and every input element in fused_experts_mx_range's range (the proof is at
+// fused_experts_kernel.h's micro_tee). A pure function of the inputs; it never changes a
+// result's bits, only whether the blocked path rescales its accumulators.
+bool mx_scaled_ok(const cpu::FeGemm& g, int64_t P, int64_t E) {
+  if (g.quant != fe::kMXFP4 || g.init || g.K > (int64_t(1) << 20)) return false;
+  bool blocked = g.policy == cpu::kFeAllBlocked;
+  for (int64_t e = 0; e < E && !blocked; ++e)
+    blocked = g.policy == cpu::kFePerBlock && g.offsets[e + 1] - g.offsets[e] >= g.m_cross;
+  if (!blocked) return false;
+  auto* fn = MOELAB_PICK(fused_experts_mx_range);
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, P, 64, [&](int64_t p0, int64_t p1) {
+    if (ok.load(std::memory_order_relaxed) && !fn(g.a, g.lda, g.K, p0, p1)) ok.store(false, std::memory_order_relaxed);
+  });
+  return ok.load();
+}
+
 // rows = false: fused_experts (the combined [T, H] bf16). rows = true: fused_experts_rows, the
 // per-slot expert outputs y [T*K, H] f32 before the combine (row r = t*K + j; 0 for a dropped
 // slot), GEMM2's accumulators starting from y_init's row r when given (op kRowsOp's contract).
@@ -336,6 +354,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   g1.m_cross = m_cross;
   const Work work1 = make_items(offsets, E, N1);
   g1.items = work1.items.data();
+  g1.mx_scaled = mx_scaled_ok(g1, P, E);
   run_gemm(g1, work1);
 
   // 4. Activation: a = bf16(act(h)).
@@ -374,6 +393,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   }
   const Work work2 = make_items(offsets, E, N2);
   g2.items = work2.items.data();
+  g2.mx_scaled = mx_scaled_ok(g2, P, E);
   run_gemm(g2, work2);
   if (rows) {   // y back to slot order; dropped slots stay 0
     at::Tensor out = rows_out();
