@@ -1,13 +1,16 @@
 """`python -m optimized.tune [--quick] [--threads N] [--print]`: calibrate this machine's crossovers.
 
 fused_experts: for each weight format, one expert block of m rows (m = 1 .. 48) is run with
-the `tiny` and the `blocked` micro-kernel, interleaved and side by side
-(interleaved rounds, the minimum of each), on a realistic shape
+the `tiny` and the `blocked` micro-kernel, side by side in interleaved rounds (each round times
+both, in alternating order), on a realistic shape
 (fp8_block: Qwen3-30B-A3B's H=2048, I=768; mxfp4: GPT-OSS-20B's H=I=2880 with swiglu_oai and
 biases; bf16: OLMoE's H=2048, I=1024). The weights rotate over enough experts that every
 call reads them from memory, as in a model where each layer has its own. m_cross is the
-smallest m from which `blocked` is at least as fast as `tiny` at every larger measured m;
-`auto` then takes blocked for a block of m rows iff m >= m_cross.
+smallest m from which `blocked` is at least as fast as `tiny` at every larger measured m,
+judged by the median over rounds of the paired ratio tiny / blocked (one round's two times
+share the machine's state: a drift of the host's bandwidth between rounds moves both, where
+the minimum of each kernel over all rounds could take the two from different moments and
+flip a close point); `auto` then takes blocked for a block of m rows iff m >= m_cross.
 
 The result goes to optimized.dispatch.tune_file() (~/.cache/moelab/tune-<cpu>.json, or
 $MOELAB_CACHE_DIR), outside the repository: it describes this machine, not the code. The file
@@ -66,11 +69,14 @@ def _time(fn, min_time: float, clock=time.perf_counter) -> float:
 
 def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, cold_bytes: int = 256 << 20,
             cpu_clock: bool = False):
-    """{m: (tiny seconds, blocked seconds)} for one block of m rows: the minimum over rounds
-    (on a shared machine other processes only ever add time, so the minimum is the least
-    disturbed measurement of each kernel). cpu_clock: time with the calling thread's CPU
-    clock (run with one thread): immune to the scheduling delays that dominate wall times of
-    short parallel regions on a busy machine."""
+    """{m: (tiny seconds, blocked seconds, median ratio)} for one block of m rows: each kernel's
+    minimum over rounds (on a shared machine other processes only ever add time, so the minimum
+    is the least disturbed time of each), and the median over rounds of the paired ratio
+    tiny / blocked of the same round (> 1: blocked faster), which `crossover` judges by.
+    cpu_clock: time with the calling thread's CPU clock (run with one thread): immune to the
+    scheduling delays that dominate wall times of short parallel regions on a busy machine."""
+    import statistics
+
     import optimized
     H, I, act, biased = SHAPES[quant]
     w13, w2, s13, s2 = random_weights(quant, 1, H, I)
@@ -82,6 +88,7 @@ def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, 
     g = torch.Generator().manual_seed(1)
     b13 = torch.randn(E, 2 * I, generator=g) if biased else None
     b2 = torch.randn(E, H, generator=g) if biased else None
+    clock = time.thread_time if cpu_clock else time.perf_counter
     out = {}
     for m in m_grid:
         x = torch.randn(m, H, generator=g).bfloat16()
@@ -96,21 +103,23 @@ def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, 
 
         call("tiny"), call("blocked")
         times = {"tiny": [], "blocked": []}
-        for _ in range(rounds):
-            for p in times:
-                times[p].append(_time(lambda: call(p), min_time,
-                                      time.thread_time if cpu_clock else time.perf_counter))
-        out[m] = (min(times["tiny"]), min(times["blocked"]))
+        for r in range(rounds):
+            for p in (("tiny", "blocked") if r % 2 == 0 else ("blocked", "tiny")):
+                times[p].append(_time(lambda: call(p), min_time, clock))
+        ratio = statistics.median(t / b for t, b in zip(times["tiny"], times["blocked"]))
+        out[m] = (min(times["tiny"]), min(times["blocked"]), ratio)
     return out
 
 
 def crossover(meas: dict) -> int:
-    """Smallest m from which blocked <= tiny at every larger measured m (max grid m + 1 if never)."""
+    """Smallest m from which blocked is at least as fast as tiny at every larger measured m
+    (max grid m + 1 if never): by the median paired ratio where `measure` gives one (a third
+    value), else by the two times."""
     ms = sorted(meas)
     best = ms[-1] + 1
     for m in reversed(ms):
-        t_tiny, t_blocked = meas[m]
-        if t_blocked <= t_tiny:
+        v = meas[m]
+        if (v[2] >= 1.0) if len(v) > 2 else (v[1] <= v[0]):
             best = m
         else:
             break
@@ -142,8 +151,8 @@ def main(argv=None) -> int:
         result["m_cross"][q] = crossover(meas)
         result["seconds"][q] = {str(m): list(v) for m, v in meas.items()}
         print(f"{q:10s} m_cross = {result['m_cross'][q]:3d}   " +
-              "  ".join(f"m={m}: {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f}" for m, v in meas.items()) +
-              "  (tiny/blocked ms)", flush=True)
+              "  ".join(f"m={m}: {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f} ({v[2]:.2f}x)" for m, v in meas.items()) +
+              "  (tiny/blocked ms, median tiny/blocked ratio)", flush=True)
     data = {}
     if path.exists():
         try:

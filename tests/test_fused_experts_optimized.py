@@ -855,6 +855,19 @@ def test_tune_file_entry_follows_the_thread_count(tmp_path, monkeypatch):
         dispatch.reload_tuning()
 
 
+def test_tune_crossover_judges_by_the_paired_ratio():
+    """The crossover is the smallest m from which blocked wins at every larger m, judged by the
+    median paired ratio tiny / blocked where measure gives one, not by the two minima (which
+    can come from different rounds); without a ratio, by the times; never crossed: max m + 1."""
+    from optimized import tune
+    # m=4: blocked's minimum is lower, but in the paired rounds tiny wins (ratio < 1)
+    meas = {1: (1.0, 2.0, 0.5), 2: (1.0, 1.1, 0.9), 4: (1.0, 0.9, 0.95), 8: (2.0, 1.0, 1.8), 16: (4.0, 1.0, 3.5)}
+    assert tune.crossover(meas) == 8
+    assert tune.crossover({m: v[:2] for m, v in meas.items()}) == 4
+    assert tune.crossover({1: (1.0, 2.0, 0.5), 4: (1.0, 1.5, 0.7)}) == 5
+    assert tune.crossover({1: (2.0, 1.0, 1.2), 4: (1.0, 1.5, 0.7), 8: (3.0, 1.0, 2.0)}) == 8
+
+
 def test_backend_info_and_compile():
     assert optimized.backend_info()["fused_experts"] in ISAS[:3] + ["avx512_bf16"]
     x, w13, w2, tw, ids, kw = make_case("mxfp4", "swiglu_oai", 4, 64, 32, 5, 2, seed=3)
