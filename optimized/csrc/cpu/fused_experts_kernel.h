@@ -64,15 +64,15 @@ constexpr int64_t kWholeK = int64_t(1) << 60;
 // weights and a factor per group that the accumulators are multiplied by at each block start
 // and, with b = the number of blocks, once more at the end (Mx4Dec).
 
-// bf16 in VNNI order already (bf16 weights, or the blocked path's dequantized buffer).
+// bf16 in VNNI order already (the packed bf16 tile, tile-major: groups 32 elements apart).
 struct LoadDec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = kWholeK;
   static constexpr bool kRescales = false;
   const uint16_t* base;
-  int64_t gstride;   // elements between groups
+  int64_t kstride;   // elements between pairs (32 x the tile's groups)
   void begin_block(int64_t) {}
-  void get(int g, int64_t kk, W32* w) const { w[0] = w_load(base + g * gstride + kk * 32); }
+  void get(int g, int64_t kk, W32* w) const { w[0] = w_load(base + g * 32 + kk * kstride); }
 };
 
 // The exact element-by-element decoder (formats.h). q: fe::kFP8 or fe::kMXFP4.
@@ -430,8 +430,9 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 }
 
 // The blocked micro-kernel: R rows x NG vectors over bf16 weight vectors at
-// b + kk * kstride + g * gstride: the packed bf16 weights themselves (kPacked: kstride = 32,
-// gstride = the group's K2 * 32) or the dequantized buffer (kstride = NG * 32, gstride = 32).
+// b + kk * kstride + g * 32, [K2][NG][32]: the dequantized buffer, or a full packed bf16 tile,
+// which is laid out the same (kstride = NG * 32); with kPacked, one group (NG = 1) of a packed
+// bf16 tile of fewer than 4 groups (the last of N; kstride = 32 x its groups, at run time).
 // The same dp sequence per output element as run_rows (kk ascending), written so the pointers
 // stay in registers (4 loads, R broadcasts, R * NG vdpbf16ps per k pair). The strides the
 // layout fixes are compile-time constants, and the function is never inlined: with both
@@ -442,11 +443,12 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 // unscaled e2m1 weights): the packed scales of the NG groups (sgb bytes apart); the
 // accumulators are rescaled at every 32-k block as run_rows does with Mx4Dec, so the same bits.
 template <int R, int NG, bool kPacked>
-__attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_gstride, const uint16_t* a, int64_t lda,
+__attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_kstride, const uint16_t* a, int64_t lda,
                                          int64_t K2, const Out& o, int64_t p, Prefetch* pf, const uint8_t* ms,
                                          int64_t sgb) {
-  constexpr int64_t kstride = kPacked ? 32 : NG * 32;
-  const int64_t gstride = kPacked ? packed_gstride : 32;
+  static_assert(!kPacked || NG == 1, "a packed partial tile is read one group at a time");
+  const int64_t kstride = kPacked ? packed_kstride : NG * 32;
+  constexpr int64_t gstride = 32;
   Acc acc[R][NG];
   acc_begin<R, NG>(o, p, acc);
 #if MOELAB_ISA_LEVEL >= 2
@@ -608,10 +610,11 @@ inline int64_t chunk_rows(int64_t m, int64_t c) {
 }
 
 // All m rows of a block over the buffer, in chunks of 1..6 rows of balanced sizes
-// (m = 32: 6, 6, 5, 5, 5, 5). buf: the dequantized buffer, or with kPacked the packed bf16
-// tile (its groups packed_gstride elements apart; micro_buf).
+// (m = 32: 6, 6, 5, 5, 5, 5). buf: the dequantized buffer or a full packed bf16 tile, or with
+// kPacked one group of a partial packed bf16 tile (its pairs packed_kstride elements apart;
+// micro_buf).
 template <int NG, bool kPacked>
-inline void blocked_rows(const uint16_t* buf, int64_t packed_gstride, const uint16_t* a, int64_t lda,
+inline void blocked_rows(const uint16_t* buf, int64_t packed_kstride, const uint16_t* a, int64_t lda,
                          int64_t K2, const Out& o, int64_t p0, int64_t m, Prefetch* pf,
                          const uint8_t* ms = nullptr, int64_t sgb = 0) {
   int64_t r0 = 0;
@@ -619,12 +622,12 @@ inline void blocked_rows(const uint16_t* buf, int64_t packed_gstride, const uint
     const int64_t R = chunk_rows(m, c);
     const uint16_t* ar = a + r0 * lda;
     switch (R) {
-      case 1: micro_buf<1, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 2: micro_buf<2, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 3: micro_buf<3, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 4: micro_buf<4, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      case 5: micro_buf<5, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
-      default: micro_buf<6, NG, kPacked>(buf, packed_gstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 1: micro_buf<1, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 2: micro_buf<2, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 3: micro_buf<3, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 4: micro_buf<4, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      case 5: micro_buf<5, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
+      default: micro_buf<6, NG, kPacked>(buf, packed_kstride, ar, lda, K2, o, p0 + r0, pf, ms, sgb); break;
     }
     r0 += R;
   }
@@ -665,9 +668,16 @@ void item_groups(const Item& it, int gbase) {
   const uint8_t* w = it.tw + gbase * gb;
 
   if (g.quant == fe::kBF16) {   // the packed tile is already bf16: both kernels read it directly
-    const uint16_t* wb = reinterpret_cast<const uint16_t*>(w);
-    if (it.blocked) blocked_rows<NG, true>(wb, K2 * 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
-    else all_rows<NG, kTinyRows>(LoadDec{wb, K2 * 32}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    // Tile-major ([K2][ng][32], fused_experts_pack.h): a full tile has the buffer's layout.
+    const int64_t ng = imin_(fe::kTileGroups, fe::n16(g.N) - it.tile * fe::kTileGroups);
+    const uint16_t* wb = reinterpret_cast<const uint16_t*>(it.tw) + gbase * 32;
+    if (!it.blocked) {
+      all_rows<NG, kTinyRows>(LoadDec{wb, ng * 32}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    } else if constexpr (NG == fe::kTileGroups) {
+      blocked_rows<NG, false>(wb, 0, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    } else {
+      blocked_rows<NG, true>(wb, ng * 32, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    }
     return;
   }
   const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
@@ -753,7 +763,7 @@ inline void pack_tile(int q, const uint8_t* src, int64_t N, int64_t K, int64_t g
     for (int64_t j = 0; j < jmax; ++j) {
       __m512i v = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), mask, vindex, base + 4 * j, 1);
       if (q == fe::kBF16) {
-        _mm512_storeu_si512(d + j * 64, v);   // pair j of the 16 columns
+        _mm512_storeu_si512(dst + fe::bf16_pair_offset(j, gi, ng), v);   // pair j of the 16 columns
         continue;
       }
       if (q == fe::kMXFP4) {   // bytes b0..b3 (octet j) -> lo(b0..b3) | hi(b0..b3) << 16, 4 bits each
@@ -778,7 +788,7 @@ inline void pack_tile(int q, const uint8_t* src, int64_t N, int64_t K, int64_t g
         const int64_t n = n0 + c;
         for (int64_t kk = kk0; kk < P; ++kk) {
           const int64_t es = q == fe::kBF16 ? 2 : 1;   // element bytes
-          uint8_t* o = d + kk * 16 * 2 * es + c * 2 * es;
+          uint8_t* o = (q == fe::kBF16 ? dst + fe::bf16_pair_offset(kk, gi, ng) : d + kk * 32) + c * 2 * es;
           for (int p = 0; p < 2; ++p) {
             const int64_t k = 2 * kk + p;
             for (int64_t b = 0; b < es; ++b) o[p * es + b] = (n < N && k < K) ? base[c * rb + k * es + b] : uint8_t(0);
@@ -830,7 +840,13 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
     Prefetch pf;
     Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
-    if (g.packed && i + 1 < i_next) {   // prefetch the next item's tile over this item's k steps
+    // A bf16 item of a single chunk of rows (decode) streams its tile once, memory-bound: it
+    // prefetches nothing. One stream (the tile-major tile) alone reaches the read probe's rate
+    // on one core; a next-tile stream beside it took 5-20% of that (micro/decode_stream.cpp,
+    // decode_stream.txt), and OLMoE T = 16 ran 1.094x faster on one thread without it
+    // (0.990x on two, fe_bf16_tile_major_nopf.txt).
+    const bool bf16_single = q == fe::kBF16 && it.blocked && m <= kBlockedRows;
+    if (g.packed && i + 1 < i_next && !bf16_single) {   // prefetch the next item's tile over this item's k steps
       const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
       const int64_t ng1 = imin_(fe::kTileGroups, N16 - t1 * fe::kTileGroups);
       pf.p = reinterpret_cast<const char*>(g.w + e1 * N16 * gb + t1 * fe::kTileGroups * gb);
@@ -841,8 +857,8 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
       // micro_buf: with two or more chunks of rows, the tile's lines spread evenly over all
       // their k pairs (one line per pair finished it early and left the item's last chunks
       // without the next tile's stream: OLMoE bf16 T = 64 / 128 1.242x / 1.104x on one thread,
-      // fe_prefetch_paced.txt); a single chunk keeps one line per pair (a decode item is
-      // memory-bound, and a faster next-tile stream only competes with its own).
+      // fe_prefetch_paced.txt); a single chunk (fp8, mxfp4) keeps one line per pair (a decode
+      // item is memory-bound, and a faster next-tile stream only competes with its own).
       const int64_t chunks = fe::cdiv(m, kBlockedRows);
       if (it.blocked && chunks >= 2) pf.rate = fe::cdiv(fe::cdiv(ng1 * gb, 64) * 256, chunks * K2);
     }

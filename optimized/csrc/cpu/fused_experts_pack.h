@@ -4,17 +4,21 @@
 // it for optimized.prepack_moe_weights, the kernels for standard-layout weights (they pack
 // one tile at a time into scratch), so both layouts give the same bytes and flags.
 //
-// A weight W[E][N][K] (N outputs, K inputs) is cut into groups of 16 output columns; a
-// group holds the whole K range as consecutive pairs (bf16, fp8) or octets (mxfp4):
-//   bf16 / fp8: group g, pair kk: 16 columns x 2 k, element (c, p) = W[16g + c][2kk + p]
-//               (64 bytes bf16, 32 bytes fp8)
+// A weight W[E][N][K] (N outputs, K inputs) is cut into groups of 16 output columns, and the
+// groups into tiles of 4 (64 columns, the unit of work; the last tile of N may hold fewer):
+//   bf16:       a tile of ng groups is tile-major, [K2][ng][16][2]: pair kk of its group gi at
+//               byte (kk * ng + gi) * 64 of the tile, element (c, p) = W[16g + c][2kk + p]
+//               (g = 4 * tile + gi), so one tile is one sequential stream (docs/fused_experts.md)
+//   fp8:        group g holds the whole K range as consecutive pairs, pair kk: 16 columns x 2 k,
+//               element (c, p) = W[16g + c][2kk + p] (32 bytes)
 //   mxfp4:      group g, octet o (k = 8o .. 8o+7): 64 bytes, 16 little-endian dwords; dword c
 //               holds column 16g+c: nibble i (bits 4i..4i+3) = code(16g+c, 8o + 2i) and
 //               nibble 4+i (bits 16+4i..) = code(16g+c, 8o + 2i + 1), i = 0..3. So the dword
 //               shifted right by 4i, per 16-bit half, has pair 4o+i's codes in its low nibbles.
 //               scales: group g, 32-block b: 16 bytes, byte c = e8m0 of W[16g + c][32b..]
+// Every layout gives a group group_bytes(q, K) bytes and a tile its ng groups' bytes at the
+// same offset (tile * 4 * group_bytes); only the bf16 tile orders them differently inside.
 // Columns past N and the k past an odd K hold zero codes (mxfp4 padding scales: 127).
-// A tile is 4 consecutive groups (64 columns), the unit of work.
 #pragma once
 #include <cmath>
 #include <cstdint>
@@ -57,8 +61,11 @@ inline int64_t scratch_bytes(int q, int64_t K) {
          align64(q == kMXFP4 ? kTileGroups * mx_scale_group_bytes(K) : 0);
 }
 
-// Packs groups [g0, g0 + ng) of one expert's standard matrix src ([N][row_bytes]) into dst
-// (ng * group_bytes(q, K) bytes).
+// Byte offset of bf16 pair kk of group gi in a tile of ng groups (tile-major).
+inline int64_t bf16_pair_offset(int64_t kk, int64_t gi, int64_t ng) { return (kk * ng + gi) * 64; }
+
+// Packs one tile of one expert's standard matrix src ([N][row_bytes]), its groups
+// [g0, g0 + ng) (g0 = 4 * tile, ng = the tile's groups), into dst (ng * group_bytes(q, K) bytes).
 inline void pack_groups(int q, const uint8_t* src, int64_t N, int64_t K, int64_t g0, int64_t ng,
                         uint8_t* dst) {
   const int64_t gb = group_bytes(q, K), rb = row_bytes(q, K), P = k2(K);
@@ -68,7 +75,7 @@ inline void pack_groups(int q, const uint8_t* src, int64_t N, int64_t K, int64_t
       const int64_t n = (g0 + gi) * kGroupN + c;
       if (n >= N) {
         if (q == kBF16) {
-          for (int64_t kk = 0; kk < P; ++kk) std::memset(d + kk * 64 + 4 * c, 0, 4);
+          for (int64_t kk = 0; kk < P; ++kk) std::memset(dst + bf16_pair_offset(kk, gi, ng) + 4 * c, 0, 4);
         } else if (q == kFP8) {
           for (int64_t kk = 0; kk < P; ++kk) std::memset(d + kk * 32 + 2 * c, 0, 2);
         } else {
@@ -79,7 +86,7 @@ inline void pack_groups(int q, const uint8_t* src, int64_t N, int64_t K, int64_t
       const uint8_t* s = src + n * rb;
       if (q == kBF16) {
         for (int64_t kk = 0; kk < P; ++kk) {
-          uint8_t* o = d + kk * 64 + 4 * c;
+          uint8_t* o = dst + bf16_pair_offset(kk, gi, ng) + 4 * c;
           const int64_t k = 2 * kk;
           o[0] = s[2 * k];
           o[1] = s[2 * k + 1];
