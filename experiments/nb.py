@@ -310,7 +310,8 @@ PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, deco
              "bench_peers_dec02_paced_*t_run*.csv",   # bf16 T = 16 and every prefill after paced prefetch
              "bench_peers_dec03_steal_*t_run*.csv",   # the same points after work stealing
              "bench_peers_dec03_strides_*t_run*.csv", # and after micro_buf's constant strides
-             "bench_peers_dec04_mx_*t_run*.csv")      # after mxfp4's micro_tee and plain units
+             "bench_peers_dec04_mx_*t_run*.csv",      # after mxfp4's micro_tee and plain units
+             "bench_peers_dec04_tm_*t_run*.csv")      # after bf16's tile-major tiles
 
 
 def peer_results(op: str):

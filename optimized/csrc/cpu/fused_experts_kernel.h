@@ -841,10 +841,10 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
     Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
     // A bf16 item of a single chunk of rows (decode) streams its tile once, memory-bound: it
-    // prefetches nothing. One stream (the tile-major tile) alone reaches the read probe's rate
-    // on one core; a next-tile stream beside it took 5-20% of that (micro/decode_stream.cpp,
-    // decode_stream.txt), and OLMoE T = 16 ran 1.094x faster on one thread without it
-    // (0.990x on two, fe_bf16_tile_major_nopf.txt).
+    // prefetches nothing. One stream (the tile-major tile) alone reaches a plain read's rate on
+    // one core; a next-tile stream beside it took 0-19% of that (experiments/micro/
+    // decode_stream.cpp, decode_stream.txt), and OLMoE T = 16 ran 1.094x faster on one thread
+    // without it (0.990x on two, fe_bf16_tile_major_nopf.txt).
     const bool bf16_single = q == fe::kBF16 && it.blocked && m <= kBlockedRows;
     if (g.packed && i + 1 < i_next && !bf16_single) {   // prefetch the next item's tile over this item's k steps
       const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
