@@ -142,10 +142,11 @@ cf._current.clear()
 
 # %%
 cross = []
-m_cross = {}
+m_cross, top_ratio = {}, {}
 for q in ("fp8_block", "mxfp4", "bf16"):
     meas = tune.measure(q, M_GRID, rounds=ROUNDS, min_time=MIN_TIME, cold_bytes=nb.pick(1 << 20, 256 << 20, 256 << 20))
     m_cross[q] = tune.crossover(meas)
+    top_ratio[q] = meas[max(M_GRID)][2]
     for m, (tt, tb, ratio) in meas.items():   # ratio: median over rounds of tiny / blocked, paired
         cross += [{"quant": q, "m": m, "kernel": "tiny", "us": tt * 1e6, "tiny_over_blocked": ratio},
                   {"quant": q, "m": m, "kernel": "blocked", "us": tb * 1e6, "tiny_over_blocked": ratio}]
@@ -154,10 +155,12 @@ nb.write_results(NAME + "_crossover", cross)
 
 
 def cross_text(q):
-    """m* as measured, or, where tune.crossover returns its sentinel (max grid m + 1: blocked never
-    beat tiny at the largest m measured), that no crossover was found: the sentinel is not a measurement."""
+    """m* as measured, or, where tune.crossover returns its sentinel (max grid m + 1: blocked was not
+    at least as fast at the largest m measured), that no crossover was found: the sentinel is not a
+    measurement."""
     m = m_cross[q]
-    return str(m) if m <= max(M_GRID) else f"none (tiny faster at every m up to {max(M_GRID)})"
+    return (str(m) if m <= max(M_GRID) else
+            f"none (blocked not faster at the largest m measured, {max(M_GRID)}: tiny/blocked {top_ratio[q]:.3f}x)")
 
 
 print("measured crossover m* (blocked from m*):", {q: cross_text(q) for q in m_cross}, "| vLLM FP8: m > 4, i.e. from 5 |",
