@@ -218,11 +218,14 @@ def bench_route(bw, lf, quick):
 
 
 def eager_permute(hidden, ids, E):
-    """The eager-PyTorch way: a stable argsort of the flattened expert ids, then a gather."""
+    """The eager-PyTorch way: a stable argsort of the flattened expert ids, a count per expert
+    and a gather. It must be capturable in a CUDA graph: torch.bincount is not (on CUDA it reads
+    the largest id back to the host to size its output, which capture refuses; the first H200
+    run failed there), so the counts are a scatter_add into E zeros."""
     flat = ids.reshape(-1).long()
     order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=E)
-    return torch.cumsum(counts, 0), hidden[order // ids.shape[1]], order
+    counts = torch.zeros(E, dtype=torch.long, device=flat.device).scatter_add_(0, flat, torch.ones_like(flat))
+    return torch.cat([counts.new_zeros(1), counts.cumsum(0)]), hidden[order // ids.shape[1]], order
 
 
 def bench_permute(bw, lf, quick):

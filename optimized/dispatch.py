@@ -225,12 +225,19 @@ def explain(op: str, *args, **kwargs) -> Decision:
 # What each op does with tensors on a CUDA or ROCm device (torch calls both "cuda"); each
 # op's decision function above delegates here. The moelab GPU kernels (csrc/gpu, csrc/hip)
 # are used when the moelab_gpu extension is loaded (a CUDA/ROCm torch with nvcc/hipcc);
-# otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). Crossovers marked "provisional"
-# have not been measured on a GPU yet: scripts/gpu_check.sh measures them (experiments/
-# results/) and these numbers are to be replaced by the measured ones.
-GPU_ROUTER_GEMM_MAX_T = 32     # provisional: one fused-cast launch (16-token chunks on grid.y) up to here
-GPU_SKINNY_MAX_T = 8           # skinny_gemm's contract limit; provisional crossover vs F.linear
-GPU_MEASURED = "provisional: not yet measured on a GPU"
+# otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). The crossovers
+# below were set before any GPU run; scripts/gpu_check.sh measures them. One H200 run so far
+# (experiments/results/nvidia-h200/gpu_bench.csv, 2026-12-04, CUDA graphs, one shape per op):
+#   router_gemm: the fused cast faster than cast + GEMM at every T measured, 1..32 (2.95 vs
+#     5.63 us at T = 1, 13.30 vs 14.79 us at T = 32), so the limit of 32 stands;
+#   skinny_gemm: faster than F.linear at T = 1, 2, 4 (K = 4096 and 7168) and at T = 8 for
+#     K = 4096, slower at T = 8 for K = 7168 (19.06 vs 17.00 us): the limit of 8 is kept until
+#     T = 5..7 and more shapes are measured;
+#   fused_experts: see GPU_FUSED_EXPERTS_M_CROSS.
+# One run of one shape per op is a lead, not a tuning: the values stay marked as such.
+GPU_ROUTER_GEMM_MAX_T = 32     # one fused-cast launch (16-token chunks on grid.y) up to here
+GPU_SKINNY_MAX_T = 8           # skinny_gemm's contract limit (F.linear beyond)
+GPU_MEASURED = "set before a GPU run; one H200 run so far, experiments/results/nvidia-h200"
 
 
 def _on_gpu(args) -> bool:
@@ -517,10 +524,12 @@ reload_tuning()
 # Batch invariance: a tensor core adds its products in an order the hardware fixes, and a
 # block's path follows its m, which depends on the batch; so in batch-invariant mode every
 # block takes the small-m path, whatever `dispatch` says (its order depends on K only).
-# The crossover is provisional: a block of m <= 8 rows is one small-path unit (one pass over
-# the weights), beyond that the small path re-reads the expert's weights (from L2) for every
-# 8 rows while the tiled path reads them once per 64 rows; experiments/gpu_bench.py times
-# both policies on an all-to-one routing to measure it.
+# The crossover: a block of m <= 8 rows is one small-path unit (one pass over the weights),
+# beyond that the small path re-reads the expert's weights (from L2) for every 8 rows while
+# the tiled path reads them once per 64 rows; experiments/gpu_bench.py times both policies on
+# an all-to-one routing. The one H200 run (Qwen3-30B-A3B fp8, experiments/results/nvidia-h200)
+# puts it between m = 16 and 32: small path 96.84 / 166.91 / 310.48 us at m = 8 / 16 / 32,
+# tiled path 174.95 / 178.02 / 184.75 us, so "tiled iff m >= 16" costs ~7% at m = 16 only.
 GPU_FUSED_EXPERTS_M_CROSS = {"bf16": 16, "fp8_block": 16, "mxfp4": 16}
 
 

@@ -5,28 +5,37 @@
 #
 # 1. environment (GPU, driver, torch, CUDA)        -> $OUT/env.txt
 # 2. build the CPU and the CUDA extension           (import optimized; moelab_gpu must load)
-# 3. torch.library.opcheck of every op on CUDA, and each GPU kernel against the CPU kernel
+# 3. the errors the bindings raise, one process per case (scripts/gpu_error_probe.py): on the
+#    first H200 run (experiments/results/nvidia-h200/) the first error raised by the GPU bindings
+#    killed the process with a host segmentation fault; a crash is reported per case, with
+#    faulthandler's Python traceback and cuda-gdb's native backtrace
+#                                                   -> $OUT/errors.csv, errors.txt
+# 4. torch.library.opcheck of every op on CUDA, and each GPU kernel against the CPU kernel
 #    (fused_experts: both paths, every format, exact-sum bit identity, batch invariance)
-#                                                   -> $OUT/opcheck.csv
-# 4. python -m verify --backends cuda --budget 36   -> $OUT/verify.{md,json}
-# 4b. the GPU peers through their adapters (verify/peers: vllm-cuda, flashinfer, sgl-kernel),
+#                                                   -> $OUT/opcheck.csv (written row by row)
+# 5. python -m verify --backends cuda --budget 36 --bad-inputs none
+#                                                   -> $OUT/verify.{md,json}
+# 5b. verify's bad-input fuzz, each op in a process of its own (a crash is that op's finding
+#    and hides nothing else)                        -> $OUT/bad/<op>.{md,json}
+# 5c. the GPU peers through their adapters (verify/peers: vllm-cuda, flashinfer, sgl-kernel),
 #    each reported as not run when its package is absent (this machine downloads nothing);
 #    a peer failing its declared contract is a finding, not a failed step
 #                                                   -> $OUT/peers.{md,json}
-# 5. timings vs the eager-PyTorch way and the seeds' "before" paths, CUDA graphs, with the
+# 6. timings vs the eager-PyTorch way and the seeds' "before" paths, CUDA graphs, with the
 #    measured copy bandwidth and launch cost as floors (fused_experts: decode weight-read
 #    bandwidth vs the copy bandwidth, the path crossover, one prefill point)
 #                                                   -> $OUT/gpu_bench.csv, gpu_env.csv
-# 6. compute-sanitizer over short verify runs of the GPU ops: memcheck (out-of-bounds and
-#    misaligned accesses, errors of CUDA calls), racecheck (shared-memory hazards), initcheck
-#    (reads of device memory nothing wrote) and synccheck (barriers and warp syncs not reached
-#    by every thread they name); where the machine has no compute-sanitizer the log and
-#    $OUT/sanitizer.txt say so plainly
+# 7. compute-sanitizer over short verify runs of the GPU ops (valid inputs: --bad-inputs none):
+#    memcheck (out-of-bounds and misaligned accesses, errors of CUDA calls), racecheck
+#    (shared-memory hazards), initcheck (reads of device memory nothing wrote) and synccheck
+#    (barriers and warp syncs not reached by every thread they name); where the machine has no
+#    compute-sanitizer the log and $OUT/sanitizer.txt say so plainly
 #                                -> $OUT/memcheck/, $OUT/racecheck/, $OUT/initcheck/, $OUT/synccheck/
-# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (180 + 75 +
-# 50 + 25 + 75 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200: build, opcheck, verify,
-# peers, bench, memcheck, racecheck, initcheck, synccheck); a failing step is recorded and the
-# next one still runs; the exit status is non-zero if any step failed.
+# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (110 + 75 + 45 +
+# 50 + 40 + 25 + 60 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200: build, errors, opcheck,
+# verify, bad inputs, peers, bench, memcheck, racecheck, initcheck, synccheck; the first H200 run
+# took 48 s to build and 134 s in all); a failing step is recorded and the next one still runs;
+# the exit status is non-zero if any step failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -66,7 +75,7 @@ step "environment"
   git log -1 --format='commit %H %s' 2>/dev/null || true
 } | tee "$OUT/env.txt"
 
-run_step build 180 $PY -c "
+run_step build 110 $PY -c "
 import time; t = time.time()
 import optimized
 from optimized import gpu
@@ -76,12 +85,19 @@ print('built and loaded in %.0f s:' % (time.time() - t), optimized.backend_info(
 if [[ " ${failed[*]-} " == *" build "* ]]; then
   echo "build failed: nothing else can run"; exit 1
 fi
-run_step opcheck 75 $PY scripts/gpu_opcheck.py --out "$OUT"
-run_step verify 50 $PY -m verify --backends cuda --budget 36 --report "$OUT/verify"
+run_step errors 75 $PY scripts/gpu_error_probe.py --out "$OUT"
+run_step opcheck 45 $PY scripts/gpu_opcheck.py --out "$OUT"
+run_step verify 50 $PY -m verify --backends cuda --budget 36 --bad-inputs none --report "$OUT/verify"
+# each op's bad-input fuzz in its own process; the step fails if any op fails or crashes
+run_step bad_inputs 40 bash -c 'set -o pipefail; rc=0; mkdir -p "$0/bad"
+  for op in route permute unpermute router_gemm skinny_gemm fused_experts; do
+    "$1" -m verify --ops $op --backends cuda --bad-inputs only --budget 5 --no-corpus --quiet \
+      --report "$0/bad/$op" | tail -3 || { echo "bad inputs of $op: FAILED (exit $?)"; rc=1; }
+  done; exit $rc' "$OUT" "$PY"
 # exit 1 = some peer fails its declared contract (a finding, in the report); 2 or a crash = a failed step
 run_step peers 25 bash -c "$PY -m verify --impl moelab,vllm-cuda,flashinfer,sgl-kernel --backends cuda \
   --ops route,fused_experts --budget 12 --quiet --report '$OUT/peers'; rc=\$?; (( rc <= 1 ))"
-run_step bench 75 $PY -m experiments.gpu_bench --out "$OUT"
+run_step bench 60 $PY -m experiments.gpu_bench --out "$OUT"
 
 # compute-sanitizer: every kernel launch of a short verify run is instrumented; any error
 # report fails the step (--error-exitcode). Short budgets: instrumented kernels run 10-100x
@@ -93,19 +109,19 @@ if [[ -n "$SAN" ]] && $PY -c "import torch, sys; sys.exit(0 if torch.version.cud
   echo "compute-sanitizer: $SAN ($("$SAN" --version 2>/dev/null | tail -1))" | tee "$OUT/sanitizer.txt"
   run_step memcheck 45 "$SAN" --tool memcheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 12 --no-corpus --quiet \
-    --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/memcheck/verify"
+    --bad-inputs none --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/memcheck/verify"
   run_step racecheck 30 "$SAN" --tool racecheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 6 --no-corpus --quiet \
-    --ops route,permute,fused_experts --report "$OUT/racecheck/verify"
+    --bad-inputs none --ops route,permute,fused_experts --report "$OUT/racecheck/verify"
   # initcheck: a kernel reading a workspace or output word that nothing wrote (verify poisons
   # fresh allocations with NaN, so this is about memory the call itself should have filled).
   run_step initcheck 30 "$SAN" --tool initcheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
-    --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/initcheck/verify"
+    --bad-inputs none --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/initcheck/verify"
   # synccheck: __syncthreads / warp syncs in divergent code, or with masks naming absent lanes.
   run_step synccheck 30 "$SAN" --tool synccheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
-    --ops route,permute,router_gemm,skinny_gemm,fused_experts --report "$OUT/synccheck/verify"
+    --bad-inputs none --ops route,permute,router_gemm,skinny_gemm,fused_experts --report "$OUT/synccheck/verify"
 else
   echo "compute-sanitizer: NOT RUN: no compute-sanitizer on this machine (PATH, CUDA_HOME/bin) or not a" \
        "CUDA build of torch (ROCm has no equivalent here); memcheck, racecheck, initcheck and synccheck" \

@@ -1,8 +1,9 @@
 """Every measured figure a doc quotes is in a committed results file that the doc cites.
 
 No measurement runs here: the docs are parsed and compared with files under
-experiments/results/. Checked: docs/performance.md (whole file) and README.md's "Real model
-families" section (its measured-speedup table, from models_quick.txt).
+experiments/results/. Checked: docs/performance.md (whole file), README.md's "Real model
+families" section (its measured-speedup table, from models_quick.txt) and docs/gpu.md's
+"First run on a real GPU" section.
 
 The rule:
   1. Blocks. A doc is cut into blocks: a paragraph (lines up to a blank line) or one table
@@ -176,6 +177,13 @@ def test_readme_models_table():
     bad = check(sec, "README.md")
     assert not bad, "figures without a committed source:\n" + "\n".join(bad)
     assert len([f for _, t, _ in blocks(sec) for f in figures(t)]) >= 18, "the table's figures were not parsed"
+
+
+def test_gpu_md_first_run():
+    sec = _section((ROOT / "docs/gpu.md").read_text(), "First run on a real GPU")
+    bad = check(sec, "docs/gpu.md")
+    assert not bad, "figures without a committed source:\n" + "\n".join(bad)
+    assert len([f for _, t, _ in blocks(sec) for f in figures(t)]) >= 15, "the section's figures were not parsed"
 
 
 # ---------------------------------------------------------------- the test of the test

@@ -77,3 +77,23 @@ def test_notebook_pairs_the_bench_rows(tmp_path, monkeypatch):
     monkeypatch.setattr(nb, "results_root", lambda: tmp_path / "results")
     sp = nb.gpu_speedups("route", "moelab", "before: warp 0")
     assert len(sp) == 1 and sp["speedup"].iloc[0] == pytest.approx(20.0 / 12.0)
+
+
+def test_eager_permute_baseline_is_the_reference_and_has_no_host_sync():
+    """The eager baseline the GPU bench captures in a CUDA graph: the reference's offsets and
+    rows, built without torch.bincount (on CUDA it reads the largest id back to the host, which
+    graph capture refuses: the first H200 run failed there)."""
+    import inspect
+
+    import reference
+    g = torch.Generator().manual_seed(3)
+    T, E, K, H = 37, 8, 2, 16
+    hidden = torch.randn(T, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[ids == 5] = 4                                         # an empty expert, a crowded one
+    offsets, rows, order = gpu_bench.eager_permute(hidden, ids, E)
+    ref = reference.permute(hidden, ids, E)
+    assert torch.equal(offsets, ref.offsets.to(offsets.dtype))
+    assert torch.equal(rows, ref.hidden[: T * K])
+    assert torch.equal(order.to(torch.int32), ref.src_row[: T * K])
+    assert "bincount" not in inspect.getsource(gpu_bench.eager_permute).split('"""')[-1]

@@ -99,6 +99,20 @@ def test_bad_input_fuzz_flags_silent_success():
     assert all("silently" in f["why"] for f in st.failures)
 
 
+def test_bad_inputs_mode_runs_the_two_parts_apart():
+    """--bad-inputs only / none (scripts/gpu_check.sh runs each op's bad inputs in a process of
+    its own, so a crash there cannot take the differential cells' results with it)."""
+    only = runner.run(["permute"], ["cpu"], None, 2.0, seed=3, corpus=None, progress=False, bad_random=3,
+                      bad_inputs="only")
+    assert not only.cells and only.bad_inputs[0].calls >= 3 and only.meta["bad_inputs"] == "only"
+    from verify.report import summary_table
+    assert "(bad inputs only)" in summary_table(only)
+    none = runner.run(["permute"], ["cpu"], ["uniform"], 2.0, seed=3, corpus=None, progress=False, bad_inputs="none")
+    assert not none.bad_inputs and none.cells and none.cells[0].cases > 0 and none.ok
+    with pytest.raises(ValueError, match="'bad_inputs'"):
+        runner.run(["permute"], ["cpu"], None, 1.0, corpus=None, progress=False, bad_inputs="some")
+
+
 # ============================================================================ a short run
 def test_short_verify_run_passes():
     """All ops, all distributions, CPU, ~60 s: nothing fails; unavailable ops are listed."""

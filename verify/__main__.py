@@ -18,7 +18,7 @@ import sys
 
 from .distributions import ROUTING_DISTS
 from .registry import REGISTRY
-from .runner import CORPUS, RunResult, available_backends, run, run_case, run_mutants
+from .runner import BAD_INPUT_MODES, CORPUS, RunResult, available_backends, run, run_case, run_mutants
 
 
 def _csv(choices, what):
@@ -48,6 +48,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repro", metavar="JSON", default=None, help="run one case structure (as printed on failure)")
     p.add_argument("--no-corpus", action="store_true", help="do not append failures to verify/corpus/failures.jsonl")
     p.add_argument("--quiet", action="store_true", help="no progress line")
+    p.add_argument("--bad-inputs", choices=BAD_INPUT_MODES, default="all",
+                   help="all: the bad-input fuzz, then the differential cells (default); none: the cells only; "
+                        "only: the bad-input fuzz only (a crash there kills the process: run it apart to keep "
+                        "the cells' results, as scripts/gpu_check.sh does)")
     p.add_argument("--allow-fallback", action="store_true",
                    help="do not fail on cells a fallback served (e.g. CUDA without the moelab_gpu extension: "
                         "the reference runs); they are still reported NOT VERIFIED and never count as passing")
@@ -117,7 +121,7 @@ def main(argv=None) -> int:
         return 0 if all(m["killed"] for m in muts) else 1
 
     res = run(ops, backends, a.dists, a.budget, a.seed, corpus=None if a.no_corpus else CORPUS,
-              progress=not a.quiet, allow_fallback=a.allow_fallback)
+              progress=not a.quiet, allow_fallback=a.allow_fallback, bad_inputs=a.bad_inputs)
     from .report import summary_table, write_reports
     print(summary_table(res))
     if a.report:

@@ -56,6 +56,10 @@ def table_rows(res: RunResult):
             seen_bad.add((c.op, c.backend))
             bad_s = f"{b.calls - len(b.failures)}/{b.calls} ok"
         rows.append((c.op, c.backend, c.dist, str(c.cases), str(c.failures), worst, flips, bad_s, served_summary(c)))
+    for b in res.bad_inputs:   # ops whose cells did not run (--bad-inputs only)
+        if (b.op, b.backend) not in seen_bad:
+            rows.append((b.op, b.backend, "(bad inputs only)", "-", str(len(b.failures)), "-", "-",
+                         f"{b.calls - len(b.failures)}/{b.calls} ok", "-"))
     return rows
 
 

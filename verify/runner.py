@@ -545,17 +545,28 @@ class RunResult:
                 "failures": self.failures, "mutants": self.mutants}
 
 
+BAD_INPUT_MODES = ("all", "none", "only")
+
+
 def run(ops_names: Sequence[str], backends: Sequence[str], dists: Optional[Sequence[str]], budget_s: float,
         seed: int = 0, corpus: Optional[Path] = CORPUS, progress: bool = True, bad_random: int = 40,
-        shrink_budget_s: Optional[float] = None, ops=None, allow_fallback: bool = False) -> RunResult:
+        shrink_budget_s: Optional[float] = None, ops=None, allow_fallback: bool = False,
+        bad_inputs: str = "all") -> RunResult:
     """The main job: every requested op x backend x distribution within budget_s seconds.
     ops: the namespace under test (default: the `optimized` package). A cell served by a
-    fallback (verify/provenance.py) is NOT VERIFIED and fails the run unless allow_fallback."""
+    fallback (verify/provenance.py) is NOT VERIFIED and fails the run unless allow_fallback.
+    bad_inputs: "all" (the bad-input fuzz first, then the cells), "none" (cells only) or
+    "only" (the bad-input fuzz alone). A crash in the bad-input fuzz kills the process, and
+    with it every cell's result: scripts/gpu_check.sh runs the two apart, each op's bad inputs
+    in a process of its own, so one crash is reported as that op's and hides nothing else."""
+    if bad_inputs not in BAD_INPUT_MODES:
+        raise ValueError(f"verify.run: argument 'bad_inputs' must be one of {', '.join(BAD_INPUT_MODES)}, "
+                         f"got {bad_inputs!r}")
     ops_mod = ops if ops is not None else import_optimized()
     t_start = time.monotonic()
     meta = {"budget_s": budget_s, "seed": seed, "backends": list(backends), "torch": torch.__version__,
             "started": _dt.datetime.now().isoformat(timespec="seconds"), "threads": torch.get_num_threads(),
-            "allow_fallback": bool(allow_fallback),
+            "allow_fallback": bool(allow_fallback), "bad_inputs": bad_inputs,
             "device_kernels_loaded": {b: device_kernels_loaded(ops_mod, b) for b in backends}}
     try:
         meta["optimized"] = ops_mod.backend_info() if ops_mod is not None else None
@@ -570,12 +581,12 @@ def run(ops_names: Sequence[str], backends: Sequence[str], dists: Optional[Seque
     for e in covered:
         for b in backends:
             for d in e.dists:
-                if dists is None or d in dists:
+                if (dists is None or d in dists) and bad_inputs != "only":
                     cells.append((e, b, d))
     prog = Progress(budget_s, progress)
     # bad-input fuzz first: cheap, and a crash here is the most serious finding
     bad_stats = []
-    for e in covered:
+    for e in covered if bad_inputs != "none" else ():
         for b in backends:
             prog.update(f"{e.name} {b} bad inputs", 0, 0, force=True)
             bad_stats.append(bad_input_fuzz(e, b, seed, bad_random, ops=ops_mod))
