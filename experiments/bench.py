@@ -103,6 +103,11 @@ def probe_frac(nbytes: int, times: list[float], pbytes: int, ptimes: list[float]
     return statistics.median((nbytes / t) / (pbytes / p) for t, p in zip(times, ptimes))
 
 
+def point_matches(pattern: str, name: str) -> bool:
+    """--points: `pattern` occurs in `name`; with a trailing '$', at the end of `name`."""
+    return name.endswith(pattern[:-1]) if pattern.endswith("$") else pattern in name
+
+
 def run(ops: list[str], quick: bool, rounds: int, peers: bool = False, points: list[str] | None = None) -> list[dict]:
     timing._read_bw.clear()                 # measured anew for every run
     timing._probe.clear()
@@ -112,7 +117,7 @@ def run(ops: list[str], quick: bool, rounds: int, peers: bool = False, points: l
     rows = []
     for op in ops:
         for case in discover()[op](quick):
-            if points and not any(m in case.shape for m in points):
+            if points and not any(point_matches(m, case.shape) for m in points):
                 continue
             # The previous case's peer callables hold that shape's peer weight copies: drop them
             # before this case may build another shape's (cases_fused_experts keeps one shape's
@@ -296,7 +301,8 @@ def main(argv=None) -> int:
     p.add_argument("--peers", action="store_true", help="add vLLM CPU and zentorch columns (make peers)")
     p.add_argument("--points", default=None,
                    help="comma-separated substrings: time only the points whose name contains one "
-                        "(e.g. 'prefill gpt-oss,T=16'); default: all points of the ops")
+                        "(e.g. 'prefill gpt-oss,T=16'; a trailing '$' anchors at the name's end: "
+                        "'bf16 T=1$' is T = 1 alone, not T = 16 or 128); default: all points of the ops")
     p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
     p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
     p.add_argument("--summarize", nargs="+", metavar="CSV", default=None,
@@ -318,7 +324,7 @@ def main(argv=None) -> int:
     points = [m for m in a.points.split(",") if m] if a.points else None
     if points:
         names = [c.shape for o in ops for c in known[o](a.quick)]
-        if not any(m in n for m in points for n in names):
+        if not any(point_matches(m, n) for m in points for n in names):
             p.error(f"--points {a.points!r} matches no point of {', '.join(ops)}")
     if a.peers:
         from . import peers

@@ -233,3 +233,10 @@ def test_points_filter_times_only_the_matching_points(fake_cases, capsys):
     with pytest.raises(SystemExit):   # a filter that matches nothing is an error, not an empty table
         bench.main(["--ops", "fake", "--quick", "--points", "nothing like this"])
     assert "--points 'nothing like this' matches no point of fake" in capsys.readouterr().err
+
+
+def test_points_dollar_anchors_at_the_end_of_the_name():
+    assert bench.point_matches("bf16 T=1$", "decode olmoe-1b-7b bf16 T=1")
+    assert not bench.point_matches("bf16 T=1$", "decode olmoe-1b-7b bf16 T=16")
+    assert not bench.point_matches("bf16 T=1$", "decode olmoe-1b-7b bf16 T=1 standard layout (cached)")
+    assert bench.point_matches("bf16 T=1", "decode olmoe-1b-7b bf16 T=128")

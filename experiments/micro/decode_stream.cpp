@@ -1,4 +1,5 @@
-// bf16 decode on one core: micro_buf's loop for a chunk of R = 1..3 rows (4 weight loads, R
+// bf16 decode on one core (or on `threads` cores, each its contiguous share of the tiles, as the
+// kernel's bands): micro_buf's loop for a chunk of R = 1..3 rows (4 weight loads, R
 // broadcasts, 4R vdpbf16ps per k pair) over cold packed bf16 tiles (64 columns x K: 4 groups of
 // 16 columns, 768 MB in transparent huge pages, as prepack_moe_weights advises them), against
 // pure reads of the same bytes, side by side. Variants (GB/s = tile bytes / time of one pass):
@@ -11,11 +12,14 @@
 //   kern+L2:48  kern-nopf plus prefetcht1 of each group stream 48 lines ahead
 //   tmaj        tile-major tile ([K/2][4 groups][16 x 2]: one stream, 256 bytes per k pair)
 //   tmaj+next   tmaj with the next-tile prefetch of kern
+//   tmaj+L2:D   tmaj with a prefetcht1 of its own stream D lines ahead (4 lines per k pair)
 // Interleaved rounds, the order rotating, median (min..max) over rounds.
-//   g++ -O2 -march=native experiments/micro/decode_stream.cpp -o /tmp/decode_stream
-//   /tmp/decode_stream R rounds K        (R rows, K = 2048: OLMoE's GEMM1, 1024: its GEMM2)
+//   g++ -O2 -march=native -fopenmp experiments/micro/decode_stream.cpp -o /tmp/decode_stream
+//   /tmp/decode_stream R rounds K [threads]   (R rows, K = 2048: OLMoE's GEMM1, 1024: its GEMM2;
+//                                              threads: 1 by default)
 // Results: experiments/results/<machine>/decode_stream.txt
 #include <immintrin.h>
+#include <omp.h>
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -111,6 +115,7 @@ int main(int argc, char** argv) {
   const int R = argc > 1 ? std::atoi(argv[1]) : 2;
   const int rounds = argc > 2 ? std::atoi(argv[2]) : 7;
   if (argc > 3) { KP = std::atoi(argv[3]) / 2; kGroupBytes = KP * 64; kTileBytes = 4 * kGroupBytes; }
+  const int nt = argc > 4 ? std::atoi(argv[4]) : 1;
   const int64_t ntiles = (int64_t(768) << 20) / kTileBytes;   // 768 MB
   const int64_t bytes = ntiles * kTileBytes;
   char* W = (char*)aligned_alloc(1 << 21, bytes);
@@ -119,21 +124,38 @@ int main(int argc, char** argv) {
   const int64_t K = 2 * KP, lda = K;
   uint16_t* A = (uint16_t*)aligned_alloc(64, 3 * K * 2);
   for (int64_t i = 0; i < 3 * K; ++i) A[i] = 0x3c00;
-  alignas(64) static float out[3 * 4 * 16];
+  alignas(64) static float outs[8][3 * 4 * 16];
+  float* out = outs[0];
 
+  // Thread t of nt takes tiles [t * ntiles / nt, (t + 1) * ntiles / nt): one contiguous band each.
   auto kern = [&](Pf pf, int dist, bool tmaj) {
-    for (int64_t i = 0; i < ntiles; ++i) {
-      const char* t = W + i * kTileBytes;
-      const char* nx = i + 1 < ntiles ? t + kTileBytes : t;
-      const int64_t gs = tmaj ? 64 : kGroupBytes, ks = tmaj ? 256 : 64;
-      if (R == 1) tile<1>(t, gs, ks, A, lda, nx, pf, dist, out);
-      else if (R == 2) tile<2>(t, gs, ks, A, lda, nx, pf, dist, out);
-      else tile<3>(t, gs, ks, A, lda, nx, pf, dist, out);
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = omp_get_thread_num();
+      float* o = outs[t % 8];
+      for (int64_t i = t * ntiles / nt; i < (t + 1) * ntiles / nt; ++i) {
+        const char* tp = W + i * kTileBytes;
+        const char* nx = i + 1 < ntiles ? tp + kTileBytes : tp;
+        const int64_t gs = tmaj ? 64 : kGroupBytes, ks = tmaj ? 256 : 64;
+        if (R == 1) tile<1>(tp, gs, ks, A, lda, nx, pf, dist, o);
+        else if (R == 2) tile<2>(tp, gs, ks, A, lda, nx, pf, dist, o);
+        else tile<3>(tp, gs, ks, A, lda, nx, pf, dist, o);
+      }
     }
     sink = out[0];
   };
+  auto read1_all = [&] {
+    int64_t s = 0;
+#pragma omp parallel num_threads(nt) reduction(| : s)
+    {
+      const int t = omp_get_thread_num();
+      const int64_t a = t * ntiles / nt * kTileBytes, b = (t + 1) * ntiles / nt * kTileBytes;
+      s |= read1(W + a, b - a);
+    }
+    isink = s;
+  };
   std::vector<std::pair<std::string, std::function<void()>>> v = {
-      {"read1", [&] { isink = read1(W, bytes); }},
+      {"read1", read1_all},
       {"read4", [&] { int64_t s = 0; for (int64_t i = 0; i < ntiles; ++i) s |= read4(W + i * kTileBytes); isink = s; }},
       {"read4+8dp", [&] { int64_t s = 0; for (int64_t i = 0; i < ntiles; ++i) s |= read4_dp<8>(W + i * kTileBytes, out); isink = s; }},
       {"kern", [&] { kern(kNext, 0, false); }},
@@ -141,7 +163,11 @@ int main(int argc, char** argv) {
       {"kern+L2:48", [&] { kern(kL2, 48, false); }},
       {"tmaj", [&] { kern(kNone, 0, true); }},
       {"tmaj+next", [&] { kern(kNext, 0, true); }},
+      {"tmaj+L2:16", [&] { kern(kL2, 16, true); }},
+      {"tmaj+L2:64", [&] { kern(kL2, 64, true); }},
   };
+  if (nt > 1)   // the one-core variants (read4, read4+8dp) stay one thread: leave them out
+    v.erase(std::remove_if(v.begin(), v.end(), [](auto& e) { return e.first.rfind("read4", 0) == 0; }), v.end());
   std::vector<std::vector<double>> gbs(v.size());
   for (int rd = 0; rd < rounds; ++rd)
     for (size_t j = 0; j < v.size(); ++j) {
@@ -151,8 +177,8 @@ int main(int argc, char** argv) {
       const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       gbs[i].push_back(bytes / s / 1e9);
     }
-  std::printf("R=%d rows, %lld tiles of %lld KB (%lld MB), %d rounds: GB/s median (min..max)\n", R,
-              (long long)ntiles, (long long)(kTileBytes >> 10), (long long)(bytes >> 20), rounds);
+  std::printf("R=%d rows, %lld tiles of %lld KB (%lld MB), %d thread(s), %d rounds: GB/s median (min..max)\n", R,
+              (long long)ntiles, (long long)(kTileBytes >> 10), (long long)(bytes >> 20), nt, rounds);
   for (size_t i = 0; i < v.size(); ++i) {
     auto g = gbs[i];
     std::sort(g.begin(), g.end());
