@@ -100,7 +100,11 @@ def load(verbose: bool = False) -> None:
 
     bdir = build_dir()
     bdir.mkdir(parents=True, exist_ok=True)
-    cflags = ["-O3", "-std=c++17", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
+    # No -std: torch.utils.cpp_extension passes the standard the installed torch's headers need
+    # (C++20 with the torch 2.13 this project pins, C++17 with older ones; newer headers refuse
+    # C++17, and a -std of ours would come later on the command line and override it). Our
+    # sources build as both.
+    cflags = ["-O3", "-fopenmp", "-Wall", "-Wno-unknown-pragmas", "-fno-strict-aliasing"]
     ldflags = ["-fopenmp"]
     preload = None
     if SANITIZE:
@@ -175,8 +179,8 @@ def load_gpu(verbose: bool = False) -> bool:
     cpp_extension.load(
         name=GPU_NAME,
         sources=gpu_sources(toolchain),
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=["-O3", "-std=c++17"] + (["-lineinfo"] if toolchain == "cuda" else []),
+        extra_cflags=["-O3"],      # the C++ standard: torch's choice, as for the CPU extension
+        extra_cuda_cflags=["-O3"] + (["-lineinfo"] if toolchain == "cuda" else []),
         build_directory=str(bdir),
         is_python_module=False,
         verbose=verbose,

@@ -31,11 +31,12 @@
 #    (barriers and warp syncs not reached by every thread they name); where the machine has no
 #    compute-sanitizer the log and $OUT/sanitizer.txt say so plainly
 #                                -> $OUT/memcheck/, $OUT/racecheck/, $OUT/initcheck/, $OUT/synccheck/
-# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (110 + 75 + 45 +
-# 50 + 40 + 25 + 60 + 45 + 30 + 30 + 30 s = 9 minutes at most on an H200: build, errors, opcheck,
+# Everything is logged to $OUT/gpu_check.log. Each step has its own time limit (105 + 90 + 40 +
+# 50 + 55 + 25 + 55 + 45 + 25 + 25 + 25 s = 9 minutes at most on an H200: build, errors, opcheck,
 # verify, bad inputs, peers, bench, memcheck, racecheck, initcheck, synccheck; the first H200 run
-# took 48 s to build and 134 s in all); a failing step is recorded and the next one still runs;
-# the exit status is non-zero if any step failed.
+# took 48 s to build, 15 s for opcheck, 21 s for peers, 38 s for the bench, 134 s in all); a
+# failing step is recorded and the next one still runs; the exit status is non-zero if any step
+# failed.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 : "${OUT:?set OUT to the folder for the results}"
@@ -75,7 +76,7 @@ step "environment"
   git log -1 --format='commit %H %s' 2>/dev/null || true
 } | tee "$OUT/env.txt"
 
-run_step build 110 $PY -c "
+run_step build 105 $PY -c "
 import time; t = time.time()
 import optimized
 from optimized import gpu
@@ -85,11 +86,11 @@ print('built and loaded in %.0f s:' % (time.time() - t), optimized.backend_info(
 if [[ " ${failed[*]-} " == *" build "* ]]; then
   echo "build failed: nothing else can run"; exit 1
 fi
-run_step errors 75 $PY scripts/gpu_error_probe.py --out "$OUT"
-run_step opcheck 45 $PY scripts/gpu_opcheck.py --out "$OUT"
+run_step errors 90 $PY scripts/gpu_error_probe.py --out "$OUT"
+run_step opcheck 40 $PY scripts/gpu_opcheck.py --out "$OUT"
 run_step verify 50 $PY -m verify --backends cuda --budget 36 --bad-inputs none --report "$OUT/verify"
 # each op's bad-input fuzz in its own process; the step fails if any op fails or crashes
-run_step bad_inputs 40 bash -c 'set -o pipefail; rc=0; mkdir -p "$0/bad"
+run_step bad_inputs 55 bash -c 'set -o pipefail; rc=0; mkdir -p "$0/bad"
   for op in route permute unpermute router_gemm skinny_gemm fused_experts; do
     "$1" -m verify --ops $op --backends cuda --bad-inputs only --budget 5 --no-corpus --quiet \
       --report "$0/bad/$op" | tail -3 || { echo "bad inputs of $op: FAILED (exit $?)"; rc=1; }
@@ -97,7 +98,7 @@ run_step bad_inputs 40 bash -c 'set -o pipefail; rc=0; mkdir -p "$0/bad"
 # exit 1 = some peer fails its declared contract (a finding, in the report); 2 or a crash = a failed step
 run_step peers 25 bash -c "$PY -m verify --impl moelab,vllm-cuda,flashinfer,sgl-kernel --backends cuda \
   --ops route,fused_experts --budget 12 --quiet --report '$OUT/peers'; rc=\$?; (( rc <= 1 ))"
-run_step bench 60 $PY -m experiments.gpu_bench --out "$OUT"
+run_step bench 55 $PY -m experiments.gpu_bench --out "$OUT"
 
 # compute-sanitizer: every kernel launch of a short verify run is instrumented; any error
 # report fails the step (--error-exitcode). Short budgets: instrumented kernels run 10-100x
@@ -110,16 +111,16 @@ if [[ -n "$SAN" ]] && $PY -c "import torch, sys; sys.exit(0 if torch.version.cud
   run_step memcheck 45 "$SAN" --tool memcheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 12 --no-corpus --quiet \
     --bad-inputs none --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/memcheck/verify"
-  run_step racecheck 30 "$SAN" --tool racecheck --error-exitcode 9 --print-limit 20 \
+  run_step racecheck 25 "$SAN" --tool racecheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 6 --no-corpus --quiet \
     --bad-inputs none --ops route,permute,fused_experts --report "$OUT/racecheck/verify"
   # initcheck: a kernel reading a workspace or output word that nothing wrote (verify poisons
   # fresh allocations with NaN, so this is about memory the call itself should have filled).
-  run_step initcheck 30 "$SAN" --tool initcheck --error-exitcode 9 --print-limit 20 \
+  run_step initcheck 25 "$SAN" --tool initcheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
     --bad-inputs none --ops route,permute,unpermute,router_gemm,skinny_gemm,fused_experts --report "$OUT/initcheck/verify"
   # synccheck: __syncthreads / warp syncs in divergent code, or with masks naming absent lanes.
-  run_step synccheck 30 "$SAN" --tool synccheck --error-exitcode 9 --print-limit 20 \
+  run_step synccheck 25 "$SAN" --tool synccheck --error-exitcode 9 --print-limit 20 \
     $PY -m verify --backends cuda --budget 5 --no-corpus --quiet \
     --bad-inputs none --ops route,permute,router_gemm,skinny_gemm,fused_experts --report "$OUT/synccheck/verify"
 else

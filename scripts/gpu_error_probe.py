@@ -126,11 +126,19 @@ CASES = ("torch_builtin", "cpu_binding", "check_router_gemm", "check_fused_exper
          "status_permute", "status_unpermute")
 
 
-def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, max_backtraces: int = 2) -> int:
+FIELDS = ["case", "device", "result", "rc", "detail"]
+
+
+def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, max_backtraces: int = 1) -> int:
     """Every case in its own process; a crash on the GPU is rerun under cuda-gdb (the first
-    max_backtraces crashes only: the step has a time limit, and one backtrace usually tells)."""
+    max_backtraces crashes only: the step has a time limit, and one backtrace usually tells).
+    Both files are written case by case, so a step stopped at its limit keeps what it found."""
     out.mkdir(parents=True, exist_ok=True)
-    rows, log = [], []
+    rows = []
+    csv_path, log_path = out / "errors.csv", out / "errors.txt"
+    with open(csv_path, "w", newline="") as f:
+        csv.DictWriter(f, fieldnames=FIELDS).writeheader()
+    log_path.write_text("")
     traced = 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for case in cases:
@@ -151,16 +159,16 @@ def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, ma
             result = "wrong"
             detail = next((ln for ln in text.splitlines() if ln.startswith("WRONG")), text.strip().splitlines()[-1:])
         print(f"  {result:8s} {case:22s} {str(detail)[:200]}", flush=True)
-        rows.append({"case": case, "device": dev, "result": result, "rc": rc, "detail": str(detail)[:300]})
-        log.append(f"===== {case} on {dev}: {result} (rc {rc})\n{text.rstrip()}\n")
-        if result == "crashed" and backtrace and dev != "cpu" and traced < max_backtraces:
-            traced += 1
-            log.append(f"----- native backtrace of {case} (cuda-gdb)\n{native_backtrace(case, dev, 2 * timeout)}\n")
-    with open(out / "errors.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=["case", "device", "result", "rc", "detail"])
-        w.writeheader()
-        w.writerows(rows)
-    (out / "errors.txt").write_text("\n".join(log))
+        row = {"case": case, "device": dev, "result": result, "rc": rc, "detail": str(detail)[:300]}
+        rows.append(row)
+        with open(csv_path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=FIELDS).writerow(row)
+        with open(log_path, "a") as f:
+            f.write(f"===== {case} on {dev}: {result} (rc {rc})\n{text.rstrip()}\n\n")
+            if result == "crashed" and backtrace and dev != "cpu" and traced < max_backtraces:
+                traced += 1
+                f.flush()
+                f.write(f"----- native backtrace of {case} (cuda-gdb)\n{native_backtrace(case, dev, 2 * timeout)}\n\n")
     bad = [r["case"] for r in rows if r["result"] != "ok"]
     print(f"{len(rows) - len(bad)} of {len(rows)} error cases ok" + (f"; not ok: {', '.join(bad)}" if bad else ""))
     return 1 if bad else 0

@@ -124,7 +124,7 @@ def load(warp: int, mma: bool = False, plant: str = ""):
 
     bdir = build_dir(warp, mma, plant)
     files = sources(warp, bdir / "gen")
-    cflags = ["-O1", "-std=c++17", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
+    cflags = ["-O1", "-DMOELAB_EMU", f"-DMOELAB_EMU_WARP={warp}", "-ffp-contract=off",
               "-Wno-unknown-pragmas"] + (["-DMOELAB_EMU_MMA=1"] if mma else []) + ([f"-DMOELAB_PLANT_{plant}"] if plant else [])
     ldflags = []
     preload = None
