@@ -129,6 +129,31 @@ CASES = ("torch_builtin", "cpu_binding", "check_router_gemm", "check_fused_exper
 FIELDS = ["case", "device", "result", "rc", "detail"]
 
 
+def environment() -> str:
+    """What a crash in C++ error handling may depend on: the interpreter's build (a
+    BOLT-optimized or frame-pointer-less CPython has broken glibc backtrace(), which every
+    c10::Error constructor calls, for others: python-build-standalone issue 991), and torch's."""
+    import platform
+    import sysconfig
+    lines = [f"python: {sys.executable} {sys.version.split()[0]} ({platform.python_compiler()})"]
+    args = sysconfig.get_config_var("CONFIG_ARGS") or ""
+    lines.append("python configure: " + " ".join(a for a in args.split() if any(
+        k in a for k in ("bolt", "frame-pointer", "optimizations", "lto", "shared"))) or "(none of interest)")
+    lines.append("python CFLAGS: " + " ".join(f for f in (sysconfig.get_config_var("CFLAGS") or "").split()
+                                             if "frame" in f or "unwind" in f or f.startswith("-O")))
+    try:
+        import torch
+        import re
+        cfg = torch.__config__.show()
+        comp = re.search(r"CXX_COMPILER=([^,]+)", cfg)
+        std = sorted(set(re.findall(r"-std=\S+", cfg)))
+        lines.append(f"torch {torch.__version__}: built by {comp.group(1) if comp else '?'}, "
+                     f"standard flags {' '.join(std) or '(none listed)'}")
+    except Exception as e:   # the probe's own report must not die of it
+        lines.append(f"torch: {type(e).__name__}: {e}")
+    return "\n".join(lines) + "\n\n"
+
+
 def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, max_backtraces: int = 1) -> int:
     """Every case in its own process; a crash on the GPU is rerun under cuda-gdb (the first
     max_backtraces crashes only: the step has a time limit, and one backtrace usually tells).
@@ -138,7 +163,7 @@ def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, ma
     csv_path, log_path = out / "errors.csv", out / "errors.txt"
     with open(csv_path, "w", newline="") as f:
         csv.DictWriter(f, fieldnames=FIELDS).writeheader()
-    log_path.write_text("")
+    log_path.write_text(environment())
     traced = 0
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     for case in cases:
