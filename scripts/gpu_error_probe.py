@@ -173,11 +173,17 @@ def parent(out: Path, dev: str, timeout: float, backtrace: bool, cases=CASES, ma
             rc, text = p.returncode, p.stdout + p.stderr
         except subprocess.TimeoutExpired as e:
             rc, text = None, f"ran past {timeout:.0f} s\n{e.stdout or ''}{e.stderr or ''}"
+        # A fatal signal ends the child with it, or (a process under AddressSanitizer, as in
+        # `make sanitize`) with the sanitizer's exit code after its report: faulthandler's line
+        # tells either way.
+        fatal = next((ln.strip() for ln in text.splitlines() if ln.startswith("Fatal Python error:")), None)
         if rc is None:
             result, detail = "timeout", f"ran past {timeout:.0f} s"
         elif rc < 0 or rc >= 128:
             sig = -rc if rc < 0 else rc - 128
-            result, detail = "crashed", f"killed by signal {sig}"
+            result, detail = "crashed", f"killed by signal {sig}" + (f" ({fatal})" if fatal else "")
+        elif fatal:
+            result, detail = "crashed", f"{fatal} (exit {rc})"
         elif rc == 0:
             result, detail = "ok", next((ln for ln in text.splitlines() if ln.startswith("raised:")), "")
         else:
