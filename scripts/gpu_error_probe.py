@@ -18,6 +18,7 @@ same device still gives the CPU kernel's result):
   cpu_binding          moelab's CPU extension: route with top_k = 0
   check_router_gemm    moelab's GPU extension, an argument check before any launch (weight dtype)
   check_fused_experts  the same in fused_experts (quant 'int4')
+  check_packed         fused_experts with packed = True: the GPU takes the standard layout only
   status_fused_experts an expert id the kernel finds out of range (status word read back)
   status_permute       the same in permute
   status_unpermute     a dst_pos out of range in unpermute
@@ -55,9 +56,9 @@ def _cases(dev):
     bad_ids[1, 1] = E
     wr = torch.randn(8, H, generator=g)
 
-    def fe(ids_, quant="bf16"):
+    def fe(ids_, quant="bf16", packed=False):
         d = lambda t: t.to(dev)  # noqa: E731
-        return ops.fused_experts(d(x), d(w13), d(w2), d(tw), d(ids_), quant, False, E, I, None, None, None, None,
+        return ops.fused_experts(d(x), d(w13), d(w2), d(tw), d(ids_), quant, packed, E, I, None, None, None, None,
                                  None, None, "silu", 1.702, 7.0, 0, 4, False)
 
     def healthy():
@@ -72,6 +73,9 @@ def _cases(dev):
         "cpu_binding": ("top_k", lambda: ops.route(torch.randn(2, 8), 0, "softmax_topk"), healthy),
         "check_router_gemm": ("weight", lambda: ops.router_gemm(x.to(dev), wr.to(dev).double()), healthy),
         "check_fused_experts": ("quant", lambda: fe(ids, "int4"), healthy),
+        # the GPU takes the standard layout only and refuses `packed`; the CPU takes packed
+        # tensors there and refuses these standard ones by the weight's name
+        "check_packed": ("packed" if dev != "cpu" else "w13", lambda: fe(ids, packed=True), healthy),
         "status_fused_experts": ("topk_ids", lambda: fe(bad_ids), healthy),
         "status_permute": ("ids", lambda: ops.permute(hid.to(dev), bad_ids.to(dev), E, None, E, 1), healthy),
         "status_unpermute": ("dst_pos", lambda: ops.unpermute(
@@ -122,8 +126,8 @@ def native_backtrace(case: str, dev: str, timeout: float) -> str:
     return "\n".join(lines[-80:])
 
 
-CASES = ("torch_builtin", "cpu_binding", "check_router_gemm", "check_fused_experts", "status_fused_experts",
-         "status_permute", "status_unpermute")
+CASES = ("torch_builtin", "cpu_binding", "check_router_gemm", "check_fused_experts", "check_packed",
+         "status_fused_experts", "status_permute", "status_unpermute")
 
 
 FIELDS = ["case", "device", "result", "rc", "detail"]

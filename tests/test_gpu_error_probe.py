@@ -23,7 +23,7 @@ def _run(tmp_path, *args):
 def test_every_error_case_raises_by_name_on_the_cpu(tmp_path):
     p, rows = _run(tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr
-    assert len(rows) == 7 and all(r["result"] == "ok" for r in rows.values()), rows
+    assert len(rows) == 8 and all(r["result"] == "ok" for r in rows.values()), rows
     assert "'topk_ids'" in rows["status_fused_experts"]["detail"] and "'ids'" in rows["status_permute"]["detail"]
 
 
