@@ -353,7 +353,7 @@ struct Out {
   const FeGemm* g;
   int64_t e;
   int64_t n_first;   // first column of group 0
-  bool claim;        // prefetch each chunk's output lines for writing (acc_begin)
+  bool claim;        // prefetch each chunk's output lines (acc_begin)
 };
 
 // Rows [p, p + R) of the output, groups 0..NG-1: + bias (f32), then bf16 RNE or f32.
@@ -384,10 +384,12 @@ inline void store_rows(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
 
 // The accumulators of rows [p, p + R), groups 0..NG-1 before the first k pair: +0, or the
 // f32 values g.init holds there (columns past N read as 0; they are never stored).
-// With o.claim it first asks for the chunk's output lines for writing (prefetchw), so that
-// their reads for ownership complete during the k loop: at prefill h and y are tens of MB, in
-// no cache, and the stores at the chunk's end otherwise wait for those reads and hold up the
-// next chunk's loads (docs/fused_experts.md, "Output lines").
+// With o.claim it first prefetches the chunk's output lines, so that their misses resolve
+// during the k loop: at prefill h and y are tens of MB, in no cache, and the stores at the
+// chunk's end otherwise wait for those lines and hold up the next chunk's loads
+// (docs/fused_experts.md, "Output lines"). The hint asks for writing; without the PRFCHW
+// target feature (the ISA levels do not enable it) GCC emits prefetcht0, and that is what was
+// measured.
 template <int R, int NG>
 inline void acc_begin(const Out& o, int64_t p, Acc (&acc)[R][NG]) {
   const FeGemm& g = *o.g;
