@@ -8,8 +8,6 @@
 // Results: experiments/results/<machine>/stream_split.txt
 #include <immintrin.h>
 #include <sys/mman.h>
-#include <pthread.h>
-#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
