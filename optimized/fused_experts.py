@@ -23,6 +23,10 @@ writes bf16(x[t] * bf16(w[t, j])) for slot j (exact: one f32 product of two bf16
 rounding) and the combine sums the expert outputs unweighted; the rest of the pipeline is
 unchanged, so every policy, ISA level and weight layout stays bit-identical and batch invariant.
 
+Validation: reference.validate's rules, all of them up front but, on the CPU, the range of
+topk_ids, which the C++ op checks on its first pass over the ids before it writes anything; when
+it raises, the full check words the error as the reference does (docs/decisions.md).
+
 CUDA/ROCm tensors run csrc/gpu/fused_experts.cu (docs/gpu.md): the standard layout only
 (prepacked weights are CPU-only), a small-m path or a tiled (tensor-core on CUDA) path per
 expert block, chosen by optimized.dispatch's GPU policy; batch-invariant mode keeps every
@@ -149,7 +153,8 @@ def prepack_moe_weights(w13: torch.Tensor, w2: torch.Tensor, quant: str,
 
 
 def _check_packed(x, w13: PackedMoEWeights, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                  w13_bias, w2_bias, activation, alpha, limit, dispatch, apply_router_weight_on_input):
+                  w13_bias, w2_bias, activation, alpha, limit, dispatch, apply_router_weight_on_input,
+                  ranges=True):
     """check_fused_experts' rules for a call with prepacked weights."""
     op = "fused_experts"
     if not isinstance(apply_router_weight_on_input, bool):
@@ -180,7 +185,7 @@ def _check_packed(x, w13: PackedMoEWeights, w2, topk_weights, topk_ids, quant, w
     check_tensor(op, "topk_weights", topk_weights, ndim=2, dtypes=(torch.float32,), device=x.device)
     if topk_weights.shape[0] != T or topk_weights.shape[1] < 1:
         fail(op, "topk_weights", f"must have shape ({T}, K) with K >= 1, got {tuple(topk_weights.shape)}")
-    check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, x.device, dtypes=(torch.int32,))
+    check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, x.device, dtypes=(torch.int32,), ranges=ranges)
     return E, I
 
 
@@ -242,17 +247,35 @@ def _run(rows, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_
          activation, alpha, limit, dispatch, apply_router_weight_on_input):
     """fused_experts (rows False) or fused_experts_rows (rows True) after the same checks."""
     packed = isinstance(w13, PackedMoEWeights)
+
+    def check(ranges):
+        return (_check_packed if packed else check_fused_experts)(
+            x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias, activation,
+            alpha, limit, dispatch, apply_router_weight_on_input, ranges=ranges)
+
+    # On the CPU the C++ op checks topk_ids' range itself, on its first pass over them (the row
+    # grouping; the pack cache's op), before it writes anything; the Python check (two
+    # reductions and two host reads) was ~4% of an OLMoE decode call on two threads
+    # (docs/fused_experts.md, "Call overhead"). When the op raises, the full check words the
+    # error as the reference does.
+    ranges = not (isinstance(x, torch.Tensor) and x.device.type == "cpu")
+    E, I = check(ranges)
+    try:
+        return _launch(rows, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias,
+                       w2_bias, activation, alpha, limit, dispatch, apply_router_weight_on_input, packed, E, I)
+    except RuntimeError:
+        if not ranges:
+            check(True)
+        raise
+
+
+def _launch(rows, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias,
+            activation, alpha, limit, dispatch, apply_router_weight_on_input, packed, E, I):
     if packed:
-        E, I = _check_packed(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                             w13_bias, w2_bias, activation, alpha, limit, dispatch,
-                             apply_router_weight_on_input)
         pw = w13
         args = (pw.w13, pw.w2)
         w13_scale, w2_scale, slow13, slow2 = pw.w13_scale, pw.w2_scale, pw.w13_slow, pw.w2_slow
     else:
-        E, I = check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
-                                   w13_bias, w2_bias, activation, alpha, limit, dispatch,
-                                   apply_router_weight_on_input)
         if x.device.type not in ("cpu", "cuda"):
             fail("fused_experts", "x", f"must be a CPU or CUDA/ROCm tensor (no moelab kernel for {x.device.type})")
         if rows and x.device.type != "cpu":

@@ -195,9 +195,11 @@ def check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renor
 
 # ------------------------------------------------------------------------- permute
 def check_ids(op: str, name: str, ids, T: int, K: Optional[int], n_experts: int, device,
-              dtypes=INDEX_DTYPES) -> None:
+              dtypes=INDEX_DTYPES, *, ranges: bool = True) -> None:
+    """ranges=False skips the data-dependent range check (see check_permute)."""
     check_tensor(op, name, ids, ndim=2, dtypes=dtypes, shape=(T, K), device=device)
-    check_index_range(op, name, ids, -1, n_experts)
+    if ranges:
+        check_index_range(op, name, ids, -1, n_experts)
 
 
 def check_expert_map(op: str, expert_map, n_experts: int, n_local_experts, device,
@@ -394,9 +396,10 @@ def check_expert_weights(op: str, quant: str, w13, w2, w13_scale, w2_scale, devi
 
 def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale,
                         w13_bias, w2_bias, activation, alpha, limit, dispatch,
-                        apply_router_weight_on_input=False, *, exact: bool = False):
+                        apply_router_weight_on_input=False, *, exact: bool = False, ranges: bool = True):
     """Returns (E, I) inferred from the weights. exact=True (the reference only) also accepts
-    float64 x, which then needs float64 weights, biases and topk_weights (exact mode)."""
+    float64 x, which then needs float64 weights, biases and topk_weights (exact mode).
+    ranges=False skips the range check of topk_ids (for a caller whose kernel checks it)."""
     op = "fused_experts"
     check_tensor(op, "x", x, ndim=2, dtypes=(torch.bfloat16, torch.float64) if exact else (torch.bfloat16,))
     T, H = x.shape
@@ -421,7 +424,7 @@ def check_fused_experts(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2
                  device=dev)
     if topk_weights.shape[0] != T or topk_weights.shape[1] < 1:
         fail(op, "topk_weights", f"must have shape ({T}, K) with K >= 1, got {tuple(topk_weights.shape)}")
-    check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, dev, dtypes=(torch.int32,))
+    check_ids(op, "topk_ids", topk_ids, T, topk_weights.shape[1], E, dev, dtypes=(torch.int32,), ranges=ranges)
     return E, I
 
 

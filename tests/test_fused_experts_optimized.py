@@ -388,6 +388,26 @@ def test_threads_and_prepacked_bitwise(level, quant):
         assert torch.equal(bits(again), bits(two))
 
 
+@pytest.mark.parametrize("H", [2, 64, 256])
+def test_bf16_single_row_items_stream_ahead_on_two_threads(H):
+    """bf16 decode: on two threads a single-row item prefetches its own tile 16 lines ahead
+    (FeGemm::stream_ahead), on one it does not; a tile shorter than that (H = 2: 4 lines)
+    prefetches nothing. A prefetch never changes a value: the same bits on 1 and 2 threads,
+    prepacked or standard, T = 1 and T = 4 (one row per expert), and the reference's values."""
+    x, w13, w2, tw, ids, kw = make_case("bf16", "silu", 16, H, 64, 4, 4, seed=8)
+    ids = torch.arange(16, dtype=torch.int32).reshape(4, 4)          # every expert one row
+    pw = optimized.prepack_moe_weights(w13, w2, "bf16")
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    for T in (1, 4):
+        with threads(1):
+            one = optimized.fused_experts(x[:T], pw, None, tw[:T], ids[:T], **kp)
+        with threads(2):
+            two = optimized.fused_experts(x[:T], pw, None, tw[:T], ids[:T], **kp)
+            std = optimized.fused_experts(x[:T], w13, w2, tw[:T], ids[:T], **kw)
+        assert torch.equal(bits(one), bits(two)) and torch.equal(bits(std), bits(two))
+        reference_check(x[:T], w13, w2, tw[:T], ids[:T], kw, two)
+
+
 @pytest.mark.parametrize("quant", QUANTS)
 def test_work_stealing_runs_every_item_once(quant):
     """2 threads split each GEMM pass into bands that steal from each other (csrc/torch/
@@ -702,6 +722,54 @@ def test_error_inputs(case):
     msg = str(ei.value)
     op = "prepack_moe_weights" if desc.startswith("prepack") else "fused_experts"
     assert msg.startswith(f"{op}: argument '{arg}'"), (desc, msg)
+
+
+def test_cpu_call_leaves_the_id_range_to_the_op(monkeypatch):
+    """On the CPU the Python layer does not read topk_ids (no reductions, no host reads: ~4% of
+    a decode call): the C++ op checks the range on its first pass over them, before it writes
+    anything, and a bad id is still reported as the reference reports it (ValueError, same
+    words), for every CPU entry point and weight form."""
+    import reference.validate as validate
+    seen = []
+    real = validate.check_index_range
+    monkeypatch.setattr(validate, "check_index_range", lambda *a: (seen.append(a[1]), real(*a))[1])
+    x, w13, w2, tw, ids, kw = make_case("bf16", "silu", 3, 64, 32, 4, 2, seed=4)
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    pw = optimized.prepack_moe_weights(w13, w2, "bf16")
+    calls = {
+        "standard": lambda i: optimized.fused_experts(x, w13, w2, tw, i, **kw),
+        "packed": lambda i: optimized.fused_experts(x, pw, None, tw, i, **kp),
+        "rows": lambda i: optimized.fused_experts_rows(x, w13, w2, tw, i, **kw),
+        "rows packed": lambda i: optimized.fused_experts_rows(x, pw, None, tw, i, **kp),
+    }
+    outs = {}
+    for name, call in calls.items():
+        outs[name] = call(ids)
+        assert seen == [], name
+        for bad in (3, -2):
+            bad_ids = ids.clone()
+            bad_ids[2, 1] = bad
+            with pytest.raises(ValueError, match=rf"^fused_experts: argument 'topk_ids' holds {bad}, outside "
+                                                 r"the valid range \[-1, 3\)"):
+                call(bad_ids)
+            assert seen == ["topk_ids"], name
+            seen.clear()
+    assert torch.equal(bits(outs["packed"]), bits(outs["standard"]))
+    assert torch.equal(outs["rows packed"], outs["rows"])
+    reference_check(x, w13, w2, tw, ids, kw, outs["standard"])
+
+
+def test_scratch_above_the_thread_cache():
+    """Each GEMM thread's scratch is cached between calls up to 16 MB (kCachedScratch) and
+    allocated for the call above it (K = H = 2^17: 16.8 MB of dequant buffer): both give the
+    reference's values, and a call after the big one still matches its earlier bits."""
+    x, w13, w2, tw, ids, kw = make_case("fp8_block", "silu", 2, 1 << 17, 32, 2, 2, seed=5, bias=False)
+    small = make_case("fp8_block", "silu", 3, 64, 32, 4, 2, seed=6)
+    before = optimized.fused_experts(*small[:5], **small[5])
+    for dispatch in ("tiny", "blocked"):
+        out = optimized.fused_experts(x, w13, w2, tw, ids, dispatch=dispatch, **kw)
+        reference_check(x, w13, w2, tw, ids, dict(kw, dispatch=dispatch), out)
+    assert torch.equal(bits(optimized.fused_experts(*small[:5], **small[5])), bits(before))
 
 
 def _direct_args(quant="fp8_block", packed=False):

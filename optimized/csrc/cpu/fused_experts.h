@@ -49,6 +49,8 @@ struct FeGemm {
                              // only where that gives the same bits as the rescaled units: no
                              // init, K <= 2^20, and every element of a's rows 0 or of magnitude
                              // in [2^-47, 2^40) (fused_experts_mx_range)
+  bool stream_ahead;         // bf16 decode items (one chunk of rows) prefetch their own tile
+                             // ahead of their loads; the binding sets it on two or more threads
 };
 
 }  // namespace moelab::cpu
@@ -71,6 +73,10 @@ MOELAB_CPU_KERNEL(bool, fused_experts_mx_range,
 MOELAB_CPU_KERNEL(void, fused_experts_act,
                   (const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda, int64_t I, int act,
                    float alpha, float limit, int64_t p0, int64_t p1))
+
+// dst[i] = bf16(src[i]) for i in [0, n): round to nearest even, as torch's .to(bfloat16) (the
+// combine's one rounding of the layer output).
+MOELAB_CPU_KERNEL(void, fused_experts_to_bf16, (const float* src, uint16_t* dst, int64_t n))
 
 // Rows [p0, p1) of GEMM1's input with the router weight applied to it
 // (apply_router_weight_on_input, SPEC 6): row p = slot r = src_row[p] = t*K + j gets

@@ -55,6 +55,7 @@ using fe::k2;
 
 constexpr int kTinyRows = 4;
 constexpr int kBlockedRows = 6;
+constexpr int64_t kStreamAhead = 16;   // bf16 decode: cache lines prefetched ahead in the own tile
 constexpr int64_t kWholeK = int64_t(1) << 60;
 
 // ----------------------------------------------------------------------------- decoders
@@ -859,10 +860,10 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
     Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
     // A bf16 item of a single chunk of rows (decode) streams its tile once, memory-bound: it
-    // prefetches nothing. One stream (the tile-major tile) alone reaches a plain read's rate on
-    // one core; a next-tile stream beside it took 0-19% of that (experiments/micro/
-    // decode_stream.cpp, decode_stream.txt), and OLMoE T = 16 ran 1.094x faster on one thread
-    // without it (0.990x on two, fe_bf16_tile_major_nopf.txt).
+    // does not prefetch the next item's tile. A next-tile stream beside its own took 0-19% of a
+    // plain read's rate on one core (experiments/micro/decode_stream.cpp, decode_stream.txt),
+    // and OLMoE T = 16 ran 1.094x faster on one thread without it (0.990x on two,
+    // fe_bf16_tile_major_nopf.txt). It prefetches ...
     const bool bf16_single = q == fe::kBF16 && it.blocked && m <= kBlockedRows;
     if (g.packed && i + 1 < i_next && !bf16_single) {   // prefetch the next item's tile over this item's k steps
       const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
@@ -879,6 +880,20 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
       // item is memory-bound, and a faster next-tile stream only competes with its own).
       const int64_t chunks = fe::cdiv(m, kBlockedRows);
       if (it.blocked && chunks >= 2) pf.rate = fe::cdiv(fe::cdiv(ng1 * gb, 64) * 256, chunks * K2);
+    }
+    if (bf16_single && m == 1 && g.stream_ahead && g.packed && ng == fe::kTileGroups) {
+      // ... a single row's item prefetches its own tile on two threads instead, kStreamAhead
+      // lines ahead of its loads, at their pace (ng lines per k pair). In one process against
+      // none (fe_stream_ahead.txt), two threads: OLMoE T = 1 1.016-1.074x, T = 4
+      // 1.007-1.027x, T = 16 (two rows an expert) 0.980-1.028x; one thread 0.964-0.996x, so
+      // only there, and only for one row; 32 lines ahead and more lost up to 23% at T = 4 / 16.
+      // The decode micro-benchmark agrees: its tile-major loop with this prefetch read 9% more
+      // on two threads at K = 2048 (as much at 1024) and 12% less on one (decode_stream_2t.txt,
+      // tmaj+L2:16).
+      const char* t0 = reinterpret_cast<const char*>(g.w + e * N16 * gb + tile * fe::kTileGroups * gb);
+      pf.p = t0 + kStreamAhead * 64;
+      pf.end = t0 + ng * gb;
+      pf.rate = ng * 256;
     }
     const float* escale = q == fe::kFP8 ? static_cast<const float*>(g.scale) + e * nbn * nbk : nullptr;
     if (escale) it.srow = escale + (tile * fe::kTileN / fe::kFp8Block) * nbk;
@@ -945,6 +960,12 @@ void fused_experts_act(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda,
     }
     for (int64_t i = I; i < lda; ++i) ar[i] = 0;
   }
+}
+
+void fused_experts_to_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + kVecF <= n; i += kVecF) vstore_bf16(dst + i, vload(src + i));
+  if (i < n) vstore_bf16(dst + i, vload(src + i, int(n - i)), int(n - i));
 }
 
 // apply_router_weight_on_input: GEMM1's rows are gathered scaled, one f32 multiply and one

@@ -124,16 +124,14 @@ Work make_items(const std::vector<int64_t>& offsets, int64_t E, int64_t N) {
   return w;
 }
 
-// The per-call intermediates (gathered x, h, a, y, the f32 combine) live in one buffer. Up
-// to kCachedWorkspace bytes it is a per-calling-thread cache kept between calls: fresh
-// pages cost one page fault each, ~10% of a large prefill, and glibc returns large blocks
-// to the system on every free. Bigger calls allocate and free their own. Held memory: the
-// largest call so far (Qwen3-30B-A3B prefill T=512: ~75 MB; decode: kilobytes).
-constexpr int64_t kCachedWorkspace = int64_t(256) << 20;
-
-uint8_t* workspace(int64_t bytes, at::Tensor& owned) {
-  uint8_t* p = nullptr;
-  if (bytes > kCachedWorkspace) {
+// A 64-byte-aligned buffer of `bytes` for the calling thread, its contents undefined (every
+// user writes before it reads). Up to `cached` bytes it is a per-thread cache kept between
+// calls, one per Slot: fresh pages cost one page fault each, and glibc hands large blocks
+// back to the system on every free. Above, `owned` holds a buffer for this call only.
+template <int Slot>
+uint8_t* thread_buffer(int64_t bytes, int64_t cached, at::Tensor& owned) {
+  uint8_t* p;
+  if (bytes + 64 > cached) {
     owned = at::empty({bytes + 64}, at::TensorOptions().dtype(at::kByte));
     p = owned.data_ptr<uint8_t>();
   } else {
@@ -148,6 +146,16 @@ uint8_t* workspace(int64_t bytes, at::Tensor& owned) {
   }
   return p + (64 - reinterpret_cast<uintptr_t>(p) % 64) % 64;
 }
+
+// Slot 0, the calling thread's workspace: the per-call intermediates (gathered x, h, a, y, the
+// f32 combine) in one buffer; cached up to the largest call so far below kCachedWorkspace
+// (Qwen3-30B-A3B prefill T=512: ~75 MB; decode: kilobytes); a fresh page costs ~10% of a
+// large prefill.
+constexpr int64_t kCachedWorkspace = int64_t(256) << 20;
+// Slot 1, each GEMM thread's scratch (fe::scratch_bytes: 0.5 MB at K = 2048). It was a zeroed
+// vector per thread and pass: at decode, that memset of ~1.5 MB per call wrote through the
+// cache the weight stream was using (docs/fused_experts.md, "Call overhead").
+constexpr int64_t kCachedScratch = int64_t(16) << 20;
 
 int64_t up64(int64_t n) { return (n + 63) / 64 * 64; }
 
@@ -179,14 +187,13 @@ constexpr int64_t kOwnChunk = 4, kStealChunk = 2;
 
 void run_gemm(const cpu::FeGemm& g, const Work& w) {
   auto* fn = MOELAB_PICK(fused_experts_gemm);
-  const int64_t bytes = fe::scratch_bytes(g.quant, g.K) + 64;
+  const int64_t bytes = fe::scratch_bytes(g.quant, g.K);
   const int64_t B = int64_t(w.band.size()) - 1;
   std::unique_ptr<BandLeft[]> left(new BandLeft[size_t(B)]);
   for (int64_t b = 0; b < B; ++b) left[b].v.store(BandLeft::pack(w.band[b], w.band[b + 1]));
   at::parallel_for(0, B, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t> scratch(static_cast<size_t>(bytes));   // per thread, per call: nothing survives
-    uint8_t* s = scratch.data();
-    s += (64 - reinterpret_cast<uintptr_t>(s) % 64) % 64;
+    at::Tensor owned;
+    uint8_t* s = thread_buffer<1>(bytes, kCachedScratch, owned);
     int64_t i0, i1;
     for (int64_t b = b0; b < b1; ++b)
       while (left[b].take(kOwnChunk, true, i0, i1)) fn(g, i0, i1, w.band[b + 1], s);
@@ -292,7 +299,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   const int64_t Hp = fe::k2(H) * 2, Ip = fe::k2(I) * 2;
   const int64_t b_xg = up64(P * Hp * 2), b_h = up64(P * N1 * 2), b_a = up64(P * Ip * 2), b_y = up64(P * N2 * 4);
   at::Tensor owned;
-  uint8_t* ws = workspace(b_xg + b_h + b_a + b_y + T * H * 4, owned);
+  uint8_t* ws = thread_buffer<0>(b_xg + b_h + b_a + b_y + T * H * 4, kCachedWorkspace, owned);
   uint16_t* xg = reinterpret_cast<uint16_t*>(ws);
   uint16_t* hb = reinterpret_cast<uint16_t*>(ws + b_xg);
   uint16_t* ab = reinterpret_cast<uint16_t*>(ws + b_xg + b_h);
@@ -352,6 +359,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   g1.offsets = offsets.data();
   g1.policy = int(policy);
   g1.m_cross = m_cross;
+  g1.stream_ahead = at::get_num_threads() > 1 && !std::getenv("MOELAB_AB_NOAHEAD");
   const Work work1 = make_items(offsets, E, N1);
   g1.items = work1.items.data();
   g1.mx_scaled = mx_scaled_ok(g1, P, E);
@@ -415,11 +423,17 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
     const int64_t ldw_t = apply_router_weight_on_input ? 0 : topk_weights.stride(0);
     const int64_t ldw_k = apply_router_weight_on_input ? 0 : topk_weights.stride(1);
     float* op = ob;
+    // The one bf16 rounding in the same pass, by our own conversion (torch's .to() was a
+    // TensorIterator copy: cold code and a second pass, ~1% of a decode call).
+    at::Tensor out = at::empty({T, H}, x.options());
+    uint16_t* o16 = reinterpret_cast<uint16_t*>(out.data_ptr());
+    auto* cvt = MOELAB_PICK(fused_experts_to_bf16);
     at::parallel_for(0, T, std::max<int64_t>(1, 8192 / (H * K)), [&](int64_t t0, int64_t t1) {
       fn(yp, Fmt::kF32, H, wp, ldw_t, ldw_k, dst_pos.data(), K, H, op, t0, t1);
+      cvt(op + t0 * H, o16 + t0 * H, (t1 - t0) * H);
     });
+    return out;
   }
-  return at::from_blob(ob, {T, H}, x.options().dtype(at::kFloat)).to(at::kBFloat16);
 }
 
 at::Tensor fused_experts_cpu(const at::Tensor& x, const at::Tensor& w13, const at::Tensor& w2,
