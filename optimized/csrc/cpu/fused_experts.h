@@ -49,8 +49,8 @@ struct FeGemm {
                              // only where that gives the same bits as the rescaled units: no
                              // init, K <= 2^20, and every element of a's rows 0 or of magnitude
                              // in [2^-47, 2^40) (fused_experts_mx_range)
-  bool stream_ahead;         // bf16 decode items (one chunk of rows) prefetch their own tile
-                             // ahead of their loads; the binding sets it on two or more threads
+  bool stream_ahead;         // single-row bf16 items (decode) prefetch their own tile ahead of
+                             // their loads; the binding sets it on two or more threads
 };
 
 }  // namespace moelab::cpu

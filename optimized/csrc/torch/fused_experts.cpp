@@ -359,7 +359,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
   g1.offsets = offsets.data();
   g1.policy = int(policy);
   g1.m_cross = m_cross;
-  g1.stream_ahead = at::get_num_threads() > 1 && !std::getenv("MOELAB_AB_NOAHEAD");
+  g1.stream_ahead = at::get_num_threads() > 1;
   const Work work1 = make_items(offsets, E, N1);
   g1.items = work1.items.data();
   g1.mx_scaled = mx_scaled_ok(g1, P, E);
@@ -424,7 +424,7 @@ at::Tensor fused_experts_impl(const char* kOp, bool rows, const c10::optional<at
     const int64_t ldw_k = apply_router_weight_on_input ? 0 : topk_weights.stride(1);
     float* op = ob;
     // The one bf16 rounding in the same pass, by our own conversion (torch's .to() was a
-    // TensorIterator copy: cold code and a second pass, ~1% of a decode call).
+    // TensorIterator copy: cold code at decode, and a second pass over the output).
     at::Tensor out = at::empty({T, H}, x.options());
     uint16_t* o16 = reinterpret_cast<uint16_t*>(out.data_ptr());
     auto* cvt = MOELAB_PICK(fused_experts_to_bf16);
