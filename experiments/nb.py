@@ -315,7 +315,8 @@ PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, deco
              "bench_peers_dec04_tm_decode_*t_run*.csv",  # and its decode points (T = 1, 4)
              "bench_peers_dec04_claim_*t_run*.csv",   # every prefill after the output-line claim
              "bench_peers_dec04_ahead_?t_run*.csv",   # bf16 T = 1 after the call overhead and own-tile prefetch
-             "bench_peers_dec04_ahead_check_*t_run*.csv")   # bf16 T = 1 and 4 again, the code as landed
+             "bench_peers_dec04_ahead_check_*t_run*.csv",   # bf16 T = 1 and 4 again, the code as landed
+             "bench_peers_dec04_ahead_t16_*t_run*.csv")     # and bf16 T = 16
 
 
 def peer_results(op: str):
