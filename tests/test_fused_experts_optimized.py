@@ -39,22 +39,17 @@ from hypothesis import given, settings, strategies as st
 import optimized
 import reference
 from optimized import dispatch
+from tests import levels
 from reference.quant import dequantize_expert_weights, quantize_fp8_block, quantize_mxfp4, round_to_bf16
 
-ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+ISAS = list(levels.LEVELS)
 QUANTS = ["bf16", "fp8_block", "mxfp4"]
 ACTS = ["silu", "swiglu_oai"]
 POLICIES = ["tiny", "blocked", "global", "per_block", "auto"]
 U32 = 2.0 ** -24
 
 
-@contextlib.contextmanager
-def isa(level):
-    optimized.set_isa(level)
-    try:
-        yield
-    finally:
-        optimized.set_isa("avx512_bf16")
+isa = levels.capped   # skips a level above this process's ceiling (tests/levels.py)
 
 
 @contextlib.contextmanager
@@ -319,7 +314,7 @@ def test_odd_sizes(level, quant):
 def test_property_random(quant, act, E, K, T, h32, i32, seed, hot, level, on_input):
     K = min(K, E)
     H, I = 32 * h32 + (32 if quant != "mxfp4" and seed % 3 == 0 else 0), 32 * i32
-    with isa(level):
+    with isa(levels.clamp(level)):
         x, w13, w2, tw, ids, kw = make_case(quant, act, E, H, I, T, K, seed=seed, hot=hot)
         kw["apply_router_weight_on_input"] = on_input
         out = run_all_policies(x, w13, w2, tw, ids, kw)
@@ -578,7 +573,7 @@ def test_strided_inputs():
     assert torch.equal(bits(out), bits(base))
 
 
-@pytest.mark.parametrize("level", ["scalar", "avx512", "avx512_bf16"])
+@pytest.mark.parametrize("level", ISAS)
 def test_exact_decoder_tiles(level):
     """Tiles the fast decoders cannot take go through the exact one, chosen identically by
     every path: fp8 NaN codes and a scale whose * 256 overflows; mxfp4 scale bytes 0, 1, 253
@@ -622,7 +617,76 @@ def test_exact_decoder_tiles(level):
         reference_check(x[keep], w13, w2, tw[keep], ids[keep], kw, out[keep])
 
 
-@pytest.mark.parametrize("level", ["avx512", "avx512_bf16"])
+def _every_code_weights(quant, E, H, I):
+    """Weights whose every 16-column group meets every code along k (fp8: all 254 non-NaN
+    codes, each row a rotation of the code sequence; mxfp4: all 16 codes), with random scales."""
+    def codes(shape, period):
+        n = torch.arange(shape[1]).view(1, -1, 1)
+        k = torch.arange(shape[2]).view(1, 1, -1)
+        e = torch.arange(shape[0]).view(-1, 1, 1)
+        return (7 * n + k + 3 * e) % period
+    if quant == "fp8_block":
+        ok = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+        w13 = ok[codes((E, 2 * I, H), len(ok))].view(torch.float8_e4m3fn)
+        w2 = ok[codes((E, H, I), len(ok))].view(torch.float8_e4m3fn)
+        g = torch.Generator().manual_seed(11)
+        s13 = torch.rand(E, 2 * I // 128, H // 128, generator=g) * 2 ** -6
+        s2 = torch.rand(E, H // 128, I // 128, generator=g) * 2 ** -6
+        return w13, w2, s13, s2
+    c13, c2 = codes((E, 2 * I, H), 16), codes((E, H, I), 16)
+    pack = lambda c: (c[..., 0::2] | (c[..., 1::2] << 4)).to(torch.uint8)
+    g = torch.Generator().manual_seed(12)
+    s13 = torch.randint(120, 134, (E, 2 * I, H // 32), generator=g).to(torch.uint8)
+    s2 = torch.randint(120, 134, (E, H, I // 32), generator=g).to(torch.uint8)
+    return pack(c13), pack(c2), s13, s2
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])
+@pytest.mark.parametrize("quant", ["fp8_block", "mxfp4"])
+def test_fast_decoders_equal_the_exact_decoder(level, quant):
+    """The fast decoders of the fma levels give the exact decoder's weight bits for every code
+    and every class of scale, so the whole op equals the scalar level (the exact decoder, the
+    same fma order) bit for bit, in every policy and both weight layouts. Each token's x is one
+    k (x = e_k), so GEMM1 hands one weight column through to the output (a wrong weight
+    changes that token). fp8 scales: random normal, 0, the smallest subnormal, 2^-121 / 2^-120
+    and 2^118 / 2^119 (the avx2 table's range edges), negative, and one 2^121 that flags its
+    tile for the exact decoder; mxfp4 scale bytes: the fast range's ends 95 / 159 beside 127,
+    and the slow classes 0, 1, 94, 160, 253, 255 (NaN) in tiles of their own."""
+    E, H, I = 4, 256, 128
+    w13, w2, s13, s2 = _every_code_weights(quant, E, H, I)
+    if quant == "fp8_block":
+        # Tiny scales where the output still shows them: in W2 (its input a is O(1)) and in
+        # W13's up half (the gate half stays O(1)); the huge ones overflow where they are.
+        s2[0, :, 0] = torch.tensor([2.0 ** -121, 2.0 ** -120])
+        s2[1, :, 0] = torch.tensor([0.0, 2.0 ** -149])
+        s2[2, :, 0] = torch.tensor([-(2.0 ** -7), 2.0 ** 118])
+        s13[3, 1, :] = torch.tensor([2.0 ** -121, 2.0 ** -120])
+        s13[2, 0, :] = torch.tensor([-0.375, 2.0 ** 119])
+        s13[1, 0, 1] = 2.0 ** 121                                 # tile flagged slow
+    else:
+        s13[0, :, 0::2], s13[0, :, 1::2] = 95, 159
+        s13[1, :64, 3], s13[1, 64:, 5] = 0, 1                     # slow tiles
+        s13[2, :64, 1], s13[2, 64:128, 2], s13[2, 128:192, 0] = 94, 160, 253
+        s2[1, :64, 2], s2[3, 64:128, 0] = 255, 159
+    T = H
+    x = torch.eye(H).bfloat16()
+    ids = (torch.arange(T) % E).to(torch.int32).view(T, 1)
+    tw = torch.ones(T, 1)
+    kw = dict(quant=quant, w13_scale=s13, w2_scale=s2, activation="silu")
+    pw = optimized.prepack_moe_weights(w13, w2, quant, s13, s2)
+    assert pw.w13_slow.sum() > 0 and (pw.w13_slow == 0).sum() > 0
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    with isa("scalar"):
+        want = run_all_policies(x, w13, w2, tw, ids, kw)
+    with isa(level):
+        got = run_all_policies(x, w13, w2, tw, ids, kw)
+        packed = optimized.fused_experts(x, pw, None, tw, ids, **kp)
+    finite = torch.isfinite(want.float())
+    assert finite.float().mean() > 0.5 and (want[finite] != 0).float().mean() > 0.5
+    assert torch.equal(bits(got), bits(want)) and torch.equal(bits(packed), bits(want))
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])
 def test_mxfp4_fast_range_edges(level):
     """mxfp4's fast decoder keeps the accumulator in units of each 32-k block's scale, exact
     for scale bytes in [95, 159] (|e| <= 32): 95 and 159 stay fast, 94 and 160 go to the exact
@@ -651,7 +715,7 @@ def test_mxfp4_fast_range_edges(level):
         reference_check(x, w13, w2, tw, ids, kw, out)
 
 
-@pytest.mark.parametrize("level", ["avx512", "avx512_bf16"])
+@pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])
 def test_mxfp4_plain_units_only_where_bits_agree(level):
     """mxfp4's blocked path runs in plain units (the weights scaled, no rescaling) only when
     the GEMM's inputs guarantee the bits of the rescaled units tiny uses (FeGemm::mx_scaled:

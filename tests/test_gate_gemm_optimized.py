@@ -34,7 +34,6 @@ whose output rounding is the last accumulation step). Why this bound:
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -44,8 +43,9 @@ from hypothesis import given, settings, strategies as st
 import optimized
 import reference.gate_gemm as ref
 from optimized import dispatch
+from tests import levels
 
-LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+LEVELS = list(levels.LEVELS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 U32 = 2.0 ** -24
 SIGNIFICAND = {torch.bfloat16: 8, torch.float16: 11}
@@ -54,27 +54,19 @@ SETTINGS = settings(max_examples=60, deadline=None)
 bf16, f16, f32 = torch.bfloat16, torch.float16, torch.float32
 
 
-def _default_isa() -> str:
-    return os.environ.get("MOELAB_ISA") or "avx512_bf16"
-
-
 @pytest.fixture(params=LEVELS)
 def level(request):
     """Run the test with the CPU ISA capped at each level (CI runs the top one by default)."""
-    detected = optimized.backend_info()["detected"]
-    if LEVELS.index(request.param) > LEVELS.index(detected):
-        pytest.skip(f"this CPU lacks {request.param} (detected {detected})")
-    optimized.set_isa(request.param)
-    assert optimized.backend_info()["skinny_gemm"] == request.param
-    yield request.param
-    optimized.set_isa(_default_isa())
+    with levels.capped(request.param):
+        assert optimized.backend_info()["skinny_gemm"] == request.param
+        yield request.param
 
 
 @pytest.fixture(autouse=True)
 def _restore_modes():
     yield
     dispatch.set_batch_invariant(False)
-    optimized.set_isa(_default_isa())
+    levels.restore()
 
 
 # ------------------------------------------------------------------ data and tolerance
@@ -185,13 +177,9 @@ def test_skinny_other_distributions(level, dtype, dist):
        dtype=st.sampled_from(DTYPES), use_bias=st.booleans(), pad=st.sampled_from([0, 1, 16]),
        level=st.sampled_from(LEVELS))
 def test_prop_skinny_matches_reference(T, N, K, seed, dtype, use_bias, pad, level):
-    detected = optimized.backend_info()["detected"]
-    optimized.set_isa(LEVELS[min(LEVELS.index(level), LEVELS.index(detected))])
-    try:
+    with levels.capped(levels.clamp(level)):
         x, w, b = make(T, N, K, dtype, seed, bias=use_bias, pad=pad)
         assert_close(optimized.skinny_gemm(x, w, b), x, w, b, f"{level}")
-    finally:
-        optimized.set_isa(_default_isa())
 
 
 def test_skinny_small_integers_exact(level):

@@ -17,12 +17,12 @@ from torch.profiler import ProfilerActivity, profile
 
 import optimized
 from reference.validate import capacity
+from tests import levels
 
 ref = importlib.import_module("reference.permute")  # the module: the package exports a function of that name
 
 SETTINGS = settings(max_examples=60, deadline=None)
-ISAS = ["scalar", "avx2", "avx512", "avx512_bf16"]
-TOP_ISA = ISAS[-1]
+ISAS = list(levels.LEVELS)
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 ops = torch.ops.moelab
@@ -30,9 +30,8 @@ ops = torch.ops.moelab
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    optimized.set_isa(request.param)
-    yield request.param
-    optimized.set_isa(TOP_ISA)
+    with levels.capped(request.param):
+        yield request.param
 
 
 @pytest.fixture
@@ -119,11 +118,8 @@ def test_prop_matches_reference(c, isa_name):
     T, K, E, H, dtype, align, e_loc, drop, ids_dtype, seed = c
     hidden, ids, kw = make_case(T, K, E, H, dtype, align=align, e_loc=e_loc, drop=drop, ids_dtype=ids_dtype,
                                 seed=seed)
-    optimized.set_isa(isa_name)
-    try:
+    with levels.capped(levels.clamp(isa_name)):
         check_both(hidden, ids, E, kw, repr(c))
-    finally:
-        optimized.set_isa(TOP_ISA)
 
 
 def test_t0_shapes():
@@ -179,12 +175,11 @@ def test_unpermute_f32_order_no_fma_by_hand():
     x = w = 1.0 + 2.0**-12             # exact in f32
     eo = torch.tensor([[-1.0], [x]], dtype=torch.float32)
     dst = torch.tensor([0, 1], dtype=torch.int32)
-    for name in ISAS:
-        optimized.set_isa(name)
-        got = optimized.unpermute(eo, torch.tensor([[1.0, w]]), dst).item()
+    for name in levels.below_ceiling():
+        with levels.capped(name):
+            got = optimized.unpermute(eo, torch.tensor([[1.0, w]]), dst).item()
         assert got == 2.0**-11, (name, got)
         assert ref.unpermute(eo, torch.tensor([[1.0, w]]), dst).item() == 2.0**-11
-    optimized.set_isa(TOP_ISA)
     # A token whose only kept term is -0.0 gets +0.0 (acc starts at +0), dropped rows ignored even if NaN.
     eo = torch.tensor([[-0.0, 1.0], [float("nan"), float("nan")]])
     out = optimized.unpermute(eo, torch.tensor([[1.0, 5.0]]), torch.tensor([0, -1], dtype=torch.int32))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import optimized
+from tests import levels
 from experiments import timing
 
 op = torch.ops.moelab.read_stream
@@ -25,13 +26,8 @@ SIZES = [1, 2, 63, 64, 65, 127, 129, 64 * 16 - 1, 64 * 16 + 13, 64 * 17 * 3 + 5,
 
 @pytest.fixture(params=["scalar", "avx2", "avx512", "avx512_bf16"])
 def isa(request):
-    detected = optimized.backend_info()["detected"]
-    order = ["scalar", "avx2", "avx512", "avx512_bf16"]
-    if order.index(request.param) > order.index(detected):
-        pytest.skip(f"this CPU runs up to {detected}")
-    optimized.set_isa(request.param)
-    yield request.param
-    optimized.set_isa("avx512_bf16")
+    with levels.capped(request.param):
+        yield request.param
 
 
 def _inside_canaries(n: int, offset: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,6 +24,7 @@ import torch
 import optimized
 from reference.route import route as reference_route, selection_keys
 from optimized import dispatch
+from tests import levels
 from reference.validate import NORM_EPS_DEFAULT, RENORMALIZE_DEFAULT, ROUTE_METHODS, check_route
 from tests.test_route_reference import ERROR_CASES
 
@@ -31,7 +32,7 @@ METHODS = ROUTE_METHODS   # softmax_topk ... llama4, grouped_softmax, softmax_bi
 BIASED = ("sigmoid_bias", "grouped_sigmoid_bias", "softmax_bias")
 GROUPED = ("grouped_sigmoid_bias", "grouped_softmax")
 EXACT_KEY_METHODS = ("topk_softmax", "llama4")          # keys are the logits themselves
-ISA_LEVELS = ("scalar", "avx2", "avx512", "avx512_bf16")
+ISA_LEVELS = levels.LEVELS
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NEAR_TIE_ULPS = 4
 WEIGHT_ULPS = {"softmax_topk": 2, "topk_softmax": 2, "sigmoid_topk": 2, "llama4": 2,
@@ -43,9 +44,8 @@ op = torch.ops.moelab.route.default
 
 @pytest.fixture(params=ISA_LEVELS)
 def isa(request):
-    optimized.set_isa(request.param)
-    yield request.param
-    optimized.set_isa("avx512_bf16")
+    with levels.capped(request.param):
+        yield request.param
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -287,12 +287,9 @@ def test_grouped_softmax_scores_groups_by_their_largest_p():
     """Group 0 holds the largest p, group 1 the largest top-2 sum: DeepSeek-V2 keeps group 0
     (a top-2 scorer would keep group 1), at every ISA level."""
     x = torch.tensor([[4.0, 0.0, 0.0, 0.0, 3.5, 3.5, 0.0, 0.0]])
-    for level in ISA_LEVELS:
-        optimized.set_isa(level)
-        try:
+    for level in levels.below_ceiling():
+        with levels.capped(level):
             w, ids = optimized.route(x, 2, "grouped_softmax", n_group=2, topk_group=1)
-        finally:
-            optimized.set_isa("avx512_bf16")
         assert ids.tolist() == [[0, 1]]
         assert torch.equal(w, reference_route(x, 2, "grouped_softmax", n_group=2, topk_group=1)[0])
 
@@ -386,12 +383,9 @@ def test_isa_levels_bit_identical(method):
     x, K, kw = random_case(method, 97, 896 if method not in GROUPED else 256, 16, 3)
     x = torch.cat([x, special_rows(x.shape[1], torch.Generator().manual_seed(2)).bfloat16()])
     outs = []
-    try:
-        for level in ISA_LEVELS:
-            optimized.set_isa(level)
+    for level in levels.below_ceiling():
+        with levels.capped(level):
             outs.append(optimized.route(x, K, method, **kw))
-    finally:
-        optimized.set_isa("avx512_bf16")
     for w, i in outs[1:]:
         assert torch.equal(i, outs[0][1])
         assert torch.equal(w.view(torch.int32), outs[0][0].view(torch.int32))

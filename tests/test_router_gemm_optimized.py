@@ -11,18 +11,18 @@ import pytest
 import torch
 
 import optimized
+from tests import levels
 from reference import router_gemm as ref_router_gemm
 
-LEVELS = ["scalar", "avx2", "avx512", "avx512_bf16"]
+LEVELS = list(levels.LEVELS)
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 U32 = 2.0 ** -24
 
 
 @pytest.fixture(params=LEVELS)
 def level(request):
-    optimized.set_isa(request.param)
-    yield request.param
-    optimized.set_isa("avx512_bf16")
+    with levels.capped(request.param):
+        yield request.param
 
 
 def bound(x, w):
