@@ -64,7 +64,8 @@ MOELAB_CPU_KERNEL(void, fused_experts_gemm,
 
 // Whether every element of rows [p0, p1) of a (n bf16 values each, lda apart) is +-0 or of
 // magnitude in [2^-47, 2^40) (bf16 bits & 0x7fff in [0x2800, 0x537f]): FeGemm::mx_scaled's
-// condition on the GEMM's input. false below the avx512 levels (no fast mxfp4 decoder there).
+// condition on the GEMM's input. false below the avx512 levels (their blocked path always
+// rescales: it has no plain-units first chunk).
 MOELAB_CPU_KERNEL(bool, fused_experts_mx_range,
                   (const uint16_t* a, int64_t lda, int64_t n, int64_t p0, int64_t p1))
 

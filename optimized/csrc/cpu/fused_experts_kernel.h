@@ -22,11 +22,12 @@
 // the rows with fused_experts_gather_weighted (bf16(x * bf16(w)), below) and sums the combine
 // unweighted; the passes here are the same for both.
 //
-// Decoders (fast paths at avx512 levels; the exact scalar decoder at avx2/scalar and for
-// tiles flagged by fe::tile_needs_slow):
+// Decoders (fast paths at the avx2 and avx512 levels; the exact scalar decoder at the scalar
+// level and for tiles flagged by fe::tile_needs_slow):
 //   fp8:   a per-(tile, 128-k block) table of the 128 magnitudes' bf16(e4m3(c) * scale)
 //          (f32 product, rounded once, then bf16 RNE: vcvtne2ps2bf16 at avx512_bf16, integer
-//          RNE at avx512), looked up with two vpermi2w per 32 codes, sign XORed in (Fp8Dec).
+//          RNE at avx512), looked up with two vpermi2w per 32 codes, sign XORed in (Fp8Dec);
+//          at avx2 a 16-entry vpshufb table plus an exponent add (its Fp8Dec).
 //   mxfp4: one 64-byte octet (4 k pairs) -> 3 shifts -> 4 vpermw of the plain e2m1 bf16
 //          patterns; the f32 accumulators are kept in units of the current 32-k block's scale
 //          (multiplied by 2^(e(b-1) - e(b)) at each block, by 2^e(last) at the end): the same
@@ -130,7 +131,7 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 // word permutes (vpermi2w on the low 6 bits), a blend on bit 6 and the sign flipped in from
 // bit 7: 6 instructions, against 9 (and two 2-uop vcvtph2ps) for widening each code to f32
 // and multiplying (1.6-1.7x faster in L2 on the Zen 5 EPYC: experiments/micro/fp8_decode.cpp,
-// results/amd-epyc-2c/fp8_decode_micro.txt). The
+// results/amd-epyc-2c-avx512_bf16/fp8_decode_micro.txt). The
 // table is 8 multiplies per 8192 weights. Same bits as the widening: the table holds the
 // very products the multiply would make, and bf16(-v) = -bf16(v) (XOR, so a negative scale
 // is right too). NaN codes (0x7f) never get here: their tiles are flagged slow.
@@ -269,6 +270,125 @@ inline void acc_rescale(Acc (&acc)[R][NG], const __m512 (&f)[NG]) {
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g].v = _mm512_mul_ps(acc[r][g].v, f[g]);
 }
+
+inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex.w, ex.gb, ex.srow, {}}; }
+
+#elif MOELAB_ISA_LEVEL == 1
+// fp8 fast path at avx2, which has no word permute: a 16-entry table per 128-k block and an
+// exponent add. For a code of exponent field E >= 1 and mantissa m, e4m3 = e4m3(8 + m) * 2^(E-1)
+// (code 8 + m has E = 1), and a power of two commutes with both roundings of the exact
+// decoder (the f32 product, then bf16 RNE) while the results stay normal, so
+//   bf16(e4m3(c) * s) = bf16(e4m3(8 + m) * s) + ((E - 1) << 7)     (as bit patterns)
+// for every |s| in [2^-120, 2^119) (e4m3(8) * s >= 2^-126; 480 * 2^14 * s < 2^128). Codes
+// 0..7 (E = 0, subnormal) have their own entries, so table entry i is the exact decoder's
+// bf16(e4m3(i) * s), i = 0..15, its low and high bytes in two vpshufb tables; the index is
+// m for E = 0 and 8 + m otherwise, and the sign is XORed in as the other levels do. A block
+// whose scale lies outside that range (0 among them: an all-zero 128 x 128 block) decodes
+// through the exact decoder: the same bits. ~23 instructions per 32 weights, no multiply.
+struct Fp8Dec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr bool kRescales = false;
+  ExactDec exact;
+  __m256i tlo, thi;   // bytes of bf16(e4m3(i) * s), i = 0..15, in both 128-bit lanes
+  bool slow_block;
+  void begin_block(int64_t b) {
+    const float s = exact.srow[b], a = s < 0.0f ? -s : s;
+    slow_block = !(a >= 0x1p-120f && a < 0x1p119f);
+    if (slow_block) return;
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t v = f32_to_bf16(e4m3_to_f32(uint8_t(i)) * s);
+      lo[i] = uint8_t(v & 0xff);
+      hi[i] = uint8_t(v >> 8);
+    }
+    tlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
+    thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    if (slow_block) return exact.get(g, kk, out);
+    // qwords 0, 2, 1, 3: the per-lane byte unpacks at the end then give codes 0-15 (columns
+    // 0-7) in .lo and codes 16-31 (columns 8-15) in .hi, in order
+    const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(exact.w + g * exact.gb + kk * 32)),
+                                               _MM_SHUFFLE(3, 1, 2, 0));
+    const __m256i e = _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(0x0f));   // exponent field
+    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x07));
+    const __m256i idx = _mm256_or_si256(m, _mm256_and_si256(_mm256_cmpgt_epi8(e, _mm256_setzero_si256()),
+                                                            _mm256_set1_epi8(0x08)));
+    const __m256i lo = _mm256_shuffle_epi8(tlo, idx);
+    const __m256i hi = _mm256_xor_si256(_mm256_shuffle_epi8(thi, idx), _mm256_and_si256(c, _mm256_set1_epi8(char(0x80))));
+    const __m256i ea = _mm256_subs_epu8(e, _mm256_set1_epi8(1));   // E - 1, or 0 for E = 0
+    const __m256i z = _mm256_setzero_si256();
+    out[0].lo = _mm256_add_epi16(_mm256_unpacklo_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpacklo_epi8(ea, z), 7));
+    out[0].hi = _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 7));
+  }
+};
+
+inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex, {}, {}, true}; }
+
+// 16 f32 factors, one per column of a group (Acc's two halves).
+struct Factor { __m256 lo, hi; };
+inline Factor mx_rescale(const uint8_t* gs, int64_t b, int64_t nb) {   // as at avx512, 8 columns at a time
+  auto half = [&](int c0) {
+    const __m256i prev = b > 0 ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gs + (b - 1) * fe::kGroupN + c0)))
+                               : _mm256_set1_epi32(127);
+    const __m256i cur = b < nb ? _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)(gs + b * fe::kGroupN + c0)))
+                               : _mm256_set1_epi32(127);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(prev, cur), _mm256_set1_epi32(127)), 23));
+  };
+  return {half(0), half(8)};
+}
+
+// mxfp4 fast path at avx2: Mx4Dec's units and octet layout; the 16 e2m1 bf16 patterns are
+// looked up with two vpshufb (low and high bytes) per 16 codes: the code in a word's low byte
+// indexes the low-byte table, the code moved to the high byte the high-byte table, and entry
+// 0 (+0) has both bytes zero, so the other byte of each lookup is 0.
+template <int NG>
+struct Mx4Dec {
+  static constexpr int kStep = 4;
+  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr bool kRescales = true;
+  const uint8_t* w;
+  int64_t gb;
+  const uint8_t* ms;
+  int64_t sgb;
+  __m256i tlo, thi;
+  Factor factor[NG];
+  void init() {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int c = 0; c < 16; ++c) {
+      const uint16_t v = f32_to_bf16(e2m1_to_f32(uint8_t(c)));
+      lo[c] = uint8_t(v & 0xff);
+      hi[c] = uint8_t(v >> 8);
+    }
+    tlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
+    thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
+  }
+  void begin_block(int64_t b) {
+    for (int g = 0; g < NG; ++g) factor[g] = mx_rescale(ms + g * sgb, b, sgb / fe::kGroupN);
+  }
+  __m256i codes(__m256i d) const {   // the low nibble of each word -> its bf16 pattern
+    const __m256i n = _mm256_and_si256(d, _mm256_set1_epi16(0x000f));
+    return _mm256_or_si256(_mm256_shuffle_epi8(tlo, n), _mm256_shuffle_epi8(thi, _mm256_slli_epi16(n, 8)));
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    const uint8_t* p = w + g * gb + (kk / 4) * 64;
+    const __m256i d0 = _mm256_loadu_si256((const __m256i*)p), d1 = _mm256_loadu_si256((const __m256i*)(p + 32));
+    out[0] = {codes(d0), codes(d1)};
+    out[1] = {codes(_mm256_srli_epi16(d0, 4)), codes(_mm256_srli_epi16(d1, 4))};
+    out[2] = {codes(_mm256_srli_epi16(d0, 8)), codes(_mm256_srli_epi16(d1, 8))};
+    out[3] = {codes(_mm256_srli_epi16(d0, 12)), codes(_mm256_srli_epi16(d1, 12))};
+  }
+};
+
+template <int R, int NG>
+inline void acc_rescale(Acc (&acc)[R][NG], const Factor (&f)[NG]) {
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < NG; ++g) {
+      acc[r][g].lo = _mm256_mul_ps(acc[r][g].lo, f[g].lo);
+      acc[r][g].hi = _mm256_mul_ps(acc[r][g].hi, f[g].hi);
+    }
+}
 #endif
 
 // --------------------------------------------------------------------- prefetching
@@ -294,7 +414,7 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
   int64_t b = 0;
   for (int64_t k0 = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
     if constexpr (Dec::kRescales) acc_rescale(acc, dec.factor);
 #endif
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
@@ -322,7 +442,7 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
       }
     }
   }
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
   if constexpr (Dec::kRescales) {
     dec.begin_block(b);
     acc_rescale(acc, dec.factor);
@@ -467,15 +587,15 @@ __attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_kstri
   constexpr int64_t gstride = 32;
   Acc acc[R][NG];
   acc_begin<R, NG>(o, p, acc);
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
   const int64_t nb = sgb / fe::kGroupN, kb = ms ? fe::kMxBlock / 2 : K2;
   auto rescale = [&](int64_t blk) {
-    __m512 f[NG];
+    decltype(mx_rescale(ms, 0, 0)) f[NG];
     for (int g = 0; g < NG; ++g) f[g] = mx_rescale(ms + g * sgb, blk, nb);
     acc_rescale(acc, f);
   };
 #else
-  const int64_t kb = K2;   // (mxfp4 takes the exact decoder below avx512: ms is null)
+  const int64_t kb = K2;   // (mxfp4 takes the exact decoder at the scalar level: ms is null)
   (void)ms, (void)sgb;
 #endif
   // Rows r = 0..5 addressed as a0 + {0, 1, 2} * ld and a3 + {0, 1, 2} * ld (x86 scaled
@@ -490,7 +610,7 @@ __attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_kstri
   const uint16_t* bk = b;
   int64_t blk = 0;
   for (int64_t k0 = 0; k0 < K2; k0 += kb, ++blk) {
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
     if (ms) rescale(blk);
 #endif
     const int64_t k1 = K2 - k0 < kb ? K2 : k0 + kb;
@@ -505,7 +625,7 @@ __attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_kstri
       }
     }
   }
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
   if (ms) rescale(blk);
 #endif
   pf->p = pp;
@@ -700,7 +820,7 @@ void item_groups(const Item& it, int gbase) {
     return;
   }
   const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
-  const bool use_exact = it.slow || MOELAB_ISA_LEVEL < 2;
+  const bool use_exact = it.slow || MOELAB_ISA_LEVEL < 1;
 
   if (it.blocked) {
     const int64_t g_first = it.tile * fe::kTileGroups + gbase;
@@ -710,7 +830,7 @@ void item_groups(const Item& it, int gbase) {
         ExactDec d = exact;
         dequant<NG>(d, K2, it.buf, it.pf);
       }
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
       else if (g.quant == fe::kFP8) {
 #if MOELAB_ISA_LEVEL == 3
         if (K2 % 2 == 0) {
@@ -719,10 +839,18 @@ void item_groups(const Item& it, int gbase) {
         } else
 #endif
         {
-          Fp8Dec d{w, gb, it.srow, {}};
+          Fp8Dec d = fp8_dec(exact);
           dequant<NG>(d, K2, it.buf, it.pf);
         }
-      } else {   // mxfp4: the first chunk of rows fills the buffer as it runs (micro_tee)
+      }
+#if MOELAB_ISA_LEVEL == 1
+      else {   // mxfp4: the buffer holds the unscaled e2m1 weights; the rows rescale (below)
+        Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}, {}};
+        d.init();
+        dequant<NG>(d, K2, it.buf, it.pf);
+      }
+#else
+      else {   // mxfp4: the first chunk of rows fills the buffer as it runs (micro_tee)
         const uint8_t* tms = it.tms + gbase * sgb;
         const int64_t R0 = chunk_rows(it.m, 0);
         if (g.mx_scaled) tee_chunk<NG, true>(R0, w, gb, tms, sgb, it.buf, a, g.lda, o, it.p0, it.pf);
@@ -733,6 +861,7 @@ void item_groups(const Item& it, int gbase) {
                                   g.mx_scaled ? nullptr : tms, sgb);
         return;
       }
+#endif
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
@@ -746,14 +875,14 @@ void item_groups(const Item& it, int gbase) {
     all_rows<NG, kTinyRows>(exact, a, g.lda, K2, o, it.p0, it.m, it.pf);
     return;
   }
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
   if (g.quant == fe::kFP8) {
 #if MOELAB_ISA_LEVEL == 3
     if (K2 % 2 == 0) {
       all_rows<NG, kTinyRows>(Fp8PairDec{w, gb, it.srow, {}, {}, {}, {}, {}}, a, g.lda, K2, o, it.p0, it.m, it.pf);
     } else
 #endif
-    all_rows<NG, kTinyRows>(Fp8Dec{w, gb, it.srow, {}}, a, g.lda, K2, o, it.p0, it.m, it.pf);
+    all_rows<NG, kTinyRows>(fp8_dec(exact), a, g.lda, K2, o, it.p0, it.m, it.pf);
   } else {
     Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
     d.init();
