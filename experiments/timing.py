@@ -173,7 +173,7 @@ def read_bandwidth(nbytes: int = 256 << 20, rounds: int = 3, min_time: float = 0
     with and without a software prefetch ahead of each stream. The best over S in STREAMS, the
     prefetch distances in PREFETCH and the interleaved rounds: the fastest pass, not a median,
     because this shared machine's bandwidth changes regime within a run (2 threads: 35 to 66
-    GB/s, results/amd-epyc-2c/read_bandwidth.txt), and a floor must hold in the fast phase too.
+    GB/s, results/amd-epyc-2c-avx512_bf16/read_bandwidth.txt), and a floor must hold in the fast phase too.
     No kernel that must read those bytes can read them faster, so a bench row's fraction of it
     is at most 1 up to noise.
     (The earlier probe, a torch f32 sum over 4 KiB pages, is `read_bandwidth_torch_sum`: our
@@ -284,13 +284,27 @@ def machine() -> dict[str, str]:
 
 
 def machine_id() -> str:
-    """A short folder-friendly name of this machine (CPU model and core count), for
-    results/<machine>/; the threads a result used are in its stamp."""
+    """A short folder-friendly name of this machine and the ISA level the kernels run at,
+    for results/<machine>/: CPU model, core count and level, e.g. `amd-epyc-2c-avx2`; a level
+    capped below the CPU's (MOELAB_ISA) says so, e.g. `amd-epyc-2c-avx2-capped`, so results of
+    two CPUs, or of two levels of one CPU, never share a folder. The threads a result used
+    are in its stamp."""
     m = machine()
     cpu = "".join(c if c.isalnum() else "-" for c in m["cpu"]).strip("-").lower()
     while "--" in cpu:
         cpu = cpu.replace("--", "-")
-    return f"{cpu[:40]}-{m['cores']}c"
+    return f"{cpu[:40]}-{m['cores']}c-{isa_tag()}"
+
+
+def isa_tag() -> str:
+    """The active ISA level, with `-capped` when MOELAB_ISA (or set_isa) holds it below what
+    the CPU runs; `noext` when the extension cannot be loaded."""
+    try:
+        import optimized
+        info = optimized.backend_info()
+    except Exception:  # the extension may be unavailable; results still get a folder
+        return "noext"
+    return info["active"] + ("-capped" if info["active"] != info["detected"] else "")
 
 
 def results_dir(root: str | os.PathLike | None = None) -> Path:

@@ -240,3 +240,18 @@ def test_points_dollar_anchors_at_the_end_of_the_name():
     assert not bench.point_matches("bf16 T=1$", "decode olmoe-1b-7b bf16 T=16")
     assert not bench.point_matches("bf16 T=1$", "decode olmoe-1b-7b bf16 T=1 standard layout (cached)")
     assert bench.point_matches("bf16 T=1", "decode olmoe-1b-7b bf16 T=128")
+
+
+def test_machine_id_names_the_isa_level():
+    """Results of two ISA levels never share a folder: the id ends in the active level, and a
+    level capped below the CPU's says so."""
+    import optimized
+    from tests import levels
+    info = optimized.backend_info()
+    top = info["active"] + ("-capped" if info["active"] != info["detected"] else "")
+    assert timing.machine_id().endswith(f"-{top}")
+    if info["detected"] != "scalar":
+        with levels.capped("scalar"):
+            assert timing.machine_id().endswith("-scalar-capped")
+            assert timing.results_dir("r").name == timing.machine_id()
+    assert timing.machine_id().endswith(f"-{top}")

@@ -187,7 +187,7 @@ def test_gpu_md_first_run():
 
 
 # ---------------------------------------------------------------- the test of the test
-SRC = "[models_quick.txt](experiments/results/amd-epyc-2c/models_quick.txt)"
+SRC = "[models_quick.txt](experiments/results/amd-epyc-2c-avx512_bf16/models_quick.txt)"
 
 
 def test_figure_parsing():

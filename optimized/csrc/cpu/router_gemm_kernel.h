@@ -27,9 +27,9 @@
 //
 // Cost: bytes = E*H*4 (weight, once) + T*H*sizeof(x) + T*E*4; flops = 2*T*E*H. No scratch.
 // Floors at H = 3072, E = 256, bf16 x, weights cold, on the 2-core Zen 5 EPYC: read bandwidth
-// 19.2 GB/s on 1 thread, 34.8 GB/s on 2 (experiments/results/amd-epyc-2c/bench_peers.txt);
+// 19.2 GB/s on 1 thread, 34.8 GB/s on 2 (experiments/results/amd-epyc-2c-avx512_bf16/bench_peers.txt);
 // 512-bit f32 FMA peak 112-115 GFLOP/s per core (one FMA per ~0.28 ns,
-// experiments/results/amd-epyc-2c/dpbf16_peak.txt):
+// experiments/results/amd-epyc-2c-avx512_bf16/dpbf16_peak.txt):
 //     T     bytes     memory floor 1 / 2 thr    flops     compute floor 1 / 2 thr
 //     1    3.15 MB       164 / 91 us           1.6 M         14 / 7 us
 //     4    3.17 MB       165 / 91 us           6.3 M         56 / 28 us

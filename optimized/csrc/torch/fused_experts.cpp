@@ -489,7 +489,7 @@ at::Tensor fused_experts_rows_cpu(const at::Tensor& x, const at::Tensor& w13, co
 // (and a page the hardware prefetcher stops at) every 64 lines. Measured on the Zen 5 EPYC
 // against the same bytes in 4 KiB pages, rotating cold copies, T = 1, 4, 16, 1 and 2 threads:
 // 1.22-1.43x for Qwen3 fp8 and 1.15-1.30x for GPT-OSS mxfp4 decode
-// (experiments/micro/huge_pages.py, experiments/results/amd-epyc-2c/huge_pages.txt). A 2 MiB page shared with an expert
+// (experiments/micro/huge_pages.py, experiments/results/amd-epyc-2c-avx512_bf16/huge_pages.txt). A 2 MiB page shared with an expert
 // not packed yet becomes resident with it (at most 2 MiB per side of a packed expert).
 void advise_huge_pages(uint8_t* base, int64_t total, int64_t begin, int64_t end) {
 #ifdef __linux__
