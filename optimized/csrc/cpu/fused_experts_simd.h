@@ -60,7 +60,12 @@ inline void acc_store(float* p, Acc a) {
   _mm256_storeu_ps(p + 8, a.hi);
 }
 inline Acc acc_load(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
-inline XP x_pair(const uint16_t* a) { return {_mm256_set1_ps(bf16_to_f32(a[0])), _mm256_set1_ps(bf16_to_f32(a[1]))}; }
+inline XP x_pair(const uint16_t* a) {   // one dword broadcast, both values widened in place
+  uint32_t u;
+  std::memcpy(&u, a, 4);
+  const __m256i d = _mm256_set1_epi32(int(u));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(d, 16)), _mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(int(0xffff0000u))))};
+}
 inline __m256 dp_half(__m256 c, const XP& x, __m256i w) {
   __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
   __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))));
