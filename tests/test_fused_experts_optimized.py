@@ -405,8 +405,8 @@ def test_bf16_single_row_items_stream_ahead_on_two_threads(H):
 
 @pytest.mark.parametrize("quant", QUANTS)
 def test_work_stealing_runs_every_item_once(quant):
-    """2 threads split each GEMM pass into bands that steal from each other (csrc/torch/
-    fused_experts.cpp, run_gemm). With 3 tiles per expert in both passes (2I = H = 192) band 0
+    """2 threads split each GEMM pass into bands that steal from each other (csrc/cpu/
+    fused_experts_schedule.h, run_gemm). With 3 tiles per expert in both passes (2I = H = 192) band 0
     holds 1 tile of every expert and band 1 holds 2, so thread 0 runs out first and takes band
     1's items from the back while thread 1 takes them from the front. fused_experts_rows with
     y_init starts each output's accumulator from what the row holds, so an item run twice would

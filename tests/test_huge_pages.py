@@ -1,5 +1,5 @@
 """Packed expert weights are advised as transparent huge pages before their first write
-(csrc/torch/fused_experts.cpp: advise_huge_pages; docs/fused_experts.md, "Huge pages"), by
+(csrc/cpu/fused_experts_schedule.h: advise_huge_pages; docs/fused_experts.md, "Huge pages"), by
 prepack_moe_weights and by the pack cache. Checked in /proc/self/smaps: the mapping that holds
 the packed bytes carries the `hg` flag (VM_HUGEPAGE, set by madvise(MADV_HUGEPAGE)). The
 advice is a speed matter only (experiments/micro/huge_pages.py); results never depend on it."""

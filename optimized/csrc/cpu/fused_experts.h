@@ -1,8 +1,9 @@
 // fused_experts' CPU kernels, declared at each ISA level (see isa_dispatch.h), and the
 // ISA-independent description of one GEMM pass that the binding hands them.
-// Torch-free: raw pointers and sizes; the binding (csrc/torch/fused_experts.cpp) checks the
-// tensors, groups the rows (permute_plan) and runs the passes through at::parallel_for.
-// The algorithm, layout and costs are in docs/fused_experts.md and fused_experts_kernel.h.
+// Torch-free: raw pointers and sizes. fused_experts_schedule.h runs the pipeline and the
+// passes over these kernels; the binding (csrc/torch/fused_experts.cpp) checks the tensors,
+// allocates, and lends it torch's thread pool. The algorithm, layout and costs are in
+// docs/fused_experts.md and fused_experts_kernel.h.
 #pragma once
 #include <cstdint>
 
