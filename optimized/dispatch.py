@@ -143,11 +143,10 @@ def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
 # Measured crossover (`python -m experiments.cases_skinny_gemm`: the raw op vs F.linear,
 # weights rotating through cold copies, calls alternated one by one, 2 threads, AMD EPYC with
 # AVX-512 BF16, torch 2.13; median of per-call ratios):
-#   bf16: skinny 1.5-4.8x faster at every T <= 8, weights 1 KiB .. 16 MiB (T = 8 is the
-#         smallest win: 1.5x at 513x4096);
-#   f16:  1.0-1.3x at T = 1 (F.linear has a good f16 GEMV), 1.4-5x at T = 2..8;
-#   f32:  2-3.5x from 256 KiB of weight on; at T = 1 with <= 128 KiB, F.linear (MKL
-#         SGEMV) is ~0.3 us faster (0.85-0.98x): SKINNY_F32_T1_MIN_BYTES.
+#   bf16: skinny faster at every T <= 8, weights 1 KiB .. 16 MiB (by the least at T = 8);
+#   f16:  about even at T = 1 (F.linear has a good f16 GEMV), skinny faster at T = 2..8;
+#   f32:  skinny faster from 256 KiB of weight on; at T = 1 with <= 128 KiB, F.linear (MKL
+#         SGEMV) is ~0.3 us faster: SKINNY_F32_T1_MIN_BYTES.
 # Above T = 8 the library GEMM runs, except in batch-invariant mode, where the batch goes
 # through skinny_gemm in chunks of SKINNY_MAX_T rows (each row's reduction order stays fixed;
 # the weight is then read once per chunk, ceil(T/8) reads instead of one). In batch-invariant
@@ -227,7 +226,7 @@ def explain(op: str, *args, **kwargs) -> Decision:
 # are used when the moelab_gpu extension is loaded (a CUDA/ROCm torch with nvcc/hipcc);
 # otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). The crossovers
 # below were set before any GPU run; scripts/gpu_check.sh measures them. One H200 run so far
-# (experiments/results/nvidia-h200/gpu_bench.csv, 2026-12-04, CUDA graphs, one shape per op):
+# (its gpu_bench output; CUDA graphs, one shape per op):
 #   router_gemm: the fused cast faster than cast + GEMM at every T measured, 1..32 (2.95 vs
 #     5.63 us at T = 1, 13.30 vs 14.79 us at T = 32), so the limit of 32 stands;
 #   skinny_gemm: faster than F.linear at T = 1, 2, 4 (K = 4096 and 7168) and at T = 8 for
@@ -237,7 +236,7 @@ def explain(op: str, *args, **kwargs) -> Decision:
 # One run of one shape per op is a lead, not a tuning: the values stay marked as such.
 GPU_ROUTER_GEMM_MAX_T = 32     # one fused-cast launch (16-token chunks on grid.y) up to here
 GPU_SKINNY_MAX_T = 8           # skinny_gemm's contract limit (F.linear beyond)
-GPU_MEASURED = "set before a GPU run; one H200 run so far, experiments/results/nvidia-h200"
+GPU_MEASURED = "set before a GPU run; one H200 run so far (scripts/gpu_check.sh)"
 
 
 def _on_gpu(args) -> bool:
@@ -527,7 +526,7 @@ reload_tuning()
 # The crossover: a block of m <= 8 rows is one small-path unit (one pass over the weights),
 # beyond that the small path re-reads the expert's weights (from L2) for every 8 rows while
 # the tiled path reads them once per 64 rows; experiments/gpu_bench.py times both policies on
-# an all-to-one routing. The one H200 run (Qwen3-30B-A3B fp8, experiments/results/nvidia-h200)
+# an all-to-one routing. The one H200 run (Qwen3-30B-A3B fp8, scripts/gpu_check.sh)
 # puts it between m = 16 and 32: small path 96.84 / 166.91 / 310.48 us at m = 8 / 16 / 32,
 # tiled path 174.95 / 178.02 / 184.75 us, so "tiled iff m >= 16" costs ~7% at m = 16 only.
 GPU_FUSED_EXPERTS_M_CROSS = {"bf16": 16, "fp8_block": 16, "mxfp4": 16}

@@ -18,7 +18,7 @@
 // sequence over k pairs 0, 1, ... for every output element (fused_experts_simd.h), so tiny,
 // blocked and every policy give bit-identical results at one ISA level, for any batch and
 // any thread count: the kernel is batch invariant.
-// apply_router_weight_on_input (SPEC 6) only changes what GEMM1 reads: the binding gathers
+// apply_router_weight_on_input (SPEC 6) only changes what GEMM1 reads: the schedule gathers
 // the rows with fused_experts_gather_weighted (bf16(x * bf16(w)), below) and sums the combine
 // unweighted; the passes here are the same for both.
 //
@@ -130,10 +130,9 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 // narrows), in four registers of 32 words. get() then decodes 32 codes with two 64-entry
 // word permutes (vpermi2w on the low 6 bits), a blend on bit 6 and the sign flipped in from
 // bit 7: 6 instructions, against 9 (and two 2-uop vcvtph2ps) for widening each code to f32
-// and multiplying (1.6-1.7x faster in L2 on the Zen 5 EPYC: experiments/micro/fp8_decode.cpp,
-// results/amd-epyc-2c-avx512_bf16/fp8_decode_micro.txt). The
-// table is 8 multiplies per 8192 weights. Same bits as the widening: the table holds the
-// very products the multiply would make, and bf16(-v) = -bf16(v) (XOR, so a negative scale
+// and multiplying, which is also what it saves in time (experiments/micro/fp8_decode.cpp times
+// both in L2). The table is 8 multiplies per 8192 weights. Same bits as the widening: the
+// table holds the very products the multiply would make, and bf16(-v) = -bf16(v) (XOR, so a negative scale
 // is right too). NaN codes (0x7f) never get here: their tiles are flagged slow.
 struct Fp8Dec {
   static constexpr int kStep = 1;
@@ -177,8 +176,8 @@ struct Fp8Dec {
 // with vpermi2b on all 64 codes of pairs kk, kk+1 at once, the sign XORed into the high
 // bytes, and the bytes zipped into words (vpunpck{l,h}bw). The zip works per 128-bit lane,
 // so the codes are first put in lane order with one vpermb. 6 instructions per 64 weights,
-// against 6 per 32 for Fp8Dec (in L2 on the Zen 5 EPYC: 0.88 vs 1.38-1.48 ns per 32 weights,
-// fp8_decode_micro.txt); the same bytes out, so the same bits.
+// against 6 per 32 for Fp8Dec (experiments/micro/fp8_decode.cpp times both); the same bytes
+// out, so the same bits.
 alignas(64) constexpr uint8_t kFp8LaneOrder[64] = {   // lane q takes codes 8 (q/2) + 32 (q%2) + 0..7
     0,  1,  2,  3,  4,  5,  6,  7,  32, 33, 34, 35, 36, 37, 38, 39, 8,  9,  10, 11, 12, 13,
     14, 15, 40, 41, 42, 43, 44, 45, 46, 47, 16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51,
@@ -573,10 +572,9 @@ inline void all_rows(const Dec& dec, const uint16_t* a, int64_t lda, int64_t K2,
 // stay in registers (4 loads, R broadcasts, R * NG vdpbf16ps per k pair). The strides the
 // layout fixes are compile-time constants, and the function is never inlined: with both
 // strides in registers GCC spilled one to the stack inside the k loop (reloaded every pair),
-// and inlined into blocked_rows it kept the accumulators in memory (~2.4x slower). With them
-// constant: OLMoE bf16 T = 512 1.045x / 1.051x (1 / 2 threads), GPT-OSS mxfp4 T = 512 1.016x /
-// 1.042x, decode unchanged (fe_micro_buf_strides.txt). ms (mxfp4's fast path: the buffer holds
-// unscaled e2m1 weights): the packed scales of the NG groups (sgb bytes apart); the
+// and inlined into blocked_rows it kept the accumulators in memory; with the strides constant
+// the k loop holds every pointer and accumulator in registers. ms (mxfp4's fast path: the
+// buffer holds unscaled e2m1 weights): the packed scales of the NG groups (sgb bytes apart); the
 // accumulators are rescaled at every 32-k block as run_rows does with Mx4Dec, so the same bits.
 template <int R, int NG, bool kPacked>
 __attribute__((noinline)) void micro_buf(const uint16_t* b, int64_t packed_kstride, const uint16_t* a, int64_t lda,
@@ -651,17 +649,17 @@ inline __m512i mx_exp_words(const uint8_t* s) {
 // 4 pairs, reloaded rather than held, which would need NG more registers beside the 24
 // accumulators), NG shifts, NG vpermw, NG stores, R broadcasts, R * NG vdpbf16ps. The next
 // item's tile is prefetched `lines` per octet, as run_rows does with Mx4Dec's 4-pair steps.
-// Replacing run_rows with a decoder that also stored (6 rows, one broadcast per dp): GPT-OSS
-// mxfp4 T = 512 1.026x on 1 and 2 threads (fe_micro_tee.txt).
+// This register block shares each broadcast among NG weight vectors, where run_rows with a
+// decoder that also stores would issue one broadcast per dp.
 //
 // Units. !kScaled: Mx4Dec's, the weights unscaled and the accumulators rescaled at each block
 // (the same bits as run_rows with Mx4Dec); the later chunks rescale too (micro_buf with ms).
 // kScaled (FeGemm::mx_scaled): each nonzero weight gets e added to its exponent field (a
 // vptestmw and a masked vpaddw), which makes it bf16(e2m1 * 2^e), the exact decoder's weight;
 // the dps run in plain units and nothing is rescaled, here or in the later chunks (micro_buf
-// without ms: rescaling cost GPT-OSS T = 512 ~5%, fe_mx_scaled.txt). The two units give the same
-// bits whenever no product, partial sum or rescaled accumulator leaves the normal f32 range in
-// either: every operation then commutes with the power-of-two scaling. The binding sets
+// without ms: the rescaling multiplies are a visible share of a large prefill's work). The
+// two units give the same bits whenever no product, partial sum or rescaled accumulator
+// leaves the normal f32 range in either: every operation then commutes with the power-of-two scaling. The schedule sets
 // mx_scaled only where that holds for every output: no init, K <= 2^20, and every input
 // element 0 or of magnitude in [2^-47, 2^40) (fused_experts_mx_range). With |e| <= 32 (the
 // fast path's scale range) and e2m1 magnitudes in [2^-1, 6], a nonzero product is a multiple
@@ -800,9 +798,8 @@ void item_groups(const Item& it, int gbase) {
   const int64_t K = g.K, K2 = k2(K), gb = group_bytes(g.quant, K);
   const int64_t sgb = fe::mx_scale_group_bytes(K);
   const uint16_t* a = g.a + it.p0 * g.lda;
-  // Only an item of several chunks of rows (prefill) claims its output lines ahead: for every
-  // item it measured 0.97x at OLMoE T = 16 on one thread (within that point's noise), and a
-  // single chunk's stores hold nothing up but the next item (fe_claim_output.txt).
+  // Only an item of several chunks of rows (prefill) claims its output lines ahead: a single
+  // chunk's stores hold nothing up but the next item, so claiming its lines gains nothing.
   const Out o{&g, it.e, (it.tile * fe::kTileGroups + gbase) * fe::kGroupN, it.blocked && it.m > kBlockedRows};
   const uint8_t* w = it.tw + gbase * gb;
 
@@ -989,10 +986,9 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
     Item it{&g, e, tile, p0, m, nullptr, nullptr, nullptr, false, false, buf, &tag, &pf};
     it.blocked = g.policy == kFeAllBlocked || (g.policy == kFePerBlock && m >= g.m_cross);
     // A bf16 item of a single chunk of rows (decode) streams its tile once, memory-bound: it
-    // does not prefetch the next item's tile. A next-tile stream beside its own took 0-19% of a
-    // plain read's rate on one core (experiments/micro/decode_stream.cpp, decode_stream.txt),
-    // and OLMoE T = 16 ran 1.094x faster on one thread without it (0.990x on two,
-    // fe_bf16_tile_major_nopf.txt). It prefetches ...
+    // does not prefetch the next item's tile: a second stream beside its own takes from a
+    // core's read rate instead of adding to it (experiments/micro/decode_stream.cpp measures
+    // the streams). It prefetches ...
     const bool bf16_single = q == fe::kBF16 && it.blocked && m <= kBlockedRows;
     if (g.packed && i + 1 < i_next && !bf16_single) {   // prefetch the next item's tile over this item's k steps
       const int64_t e1 = g.items[2 * i + 2], t1 = g.items[2 * i + 3];
@@ -1003,22 +999,19 @@ void fused_experts_gemm(const FeGemm& g, int64_t i0, int64_t i1, int64_t i_next,
       const int64_t steps = imax_(1, passes * K2 / (q == fe::kMXFP4 ? 4 : 2));   // done by mid-item (mxfp4 steps 4 pairs)
       pf.lines = int(fe::cdiv(fe::cdiv(ng1 * gb, 64), steps));
       // micro_buf: with two or more chunks of rows, the tile's lines spread evenly over all
-      // their k pairs (one line per pair finished it early and left the item's last chunks
-      // without the next tile's stream: OLMoE bf16 T = 64 / 128 1.242x / 1.104x on one thread,
-      // fe_prefetch_paced.txt); a single chunk (fp8, mxfp4) keeps one line per pair (a decode
+      // their k pairs (one line per pair finishes it early and leaves the item's last chunks
+      // without the next tile's stream); a single chunk (fp8, mxfp4) keeps one line per pair (a decode
       // item is memory-bound, and a faster next-tile stream only competes with its own).
       const int64_t chunks = fe::cdiv(m, kBlockedRows);
       if (it.blocked && chunks >= 2) pf.rate = fe::cdiv(fe::cdiv(ng1 * gb, 64) * 256, chunks * K2);
     }
     if (bf16_single && m == 1 && g.stream_ahead && g.packed && ng == fe::kTileGroups) {
       // ... a single row's item prefetches its own tile on two threads instead, kStreamAhead
-      // lines ahead of its loads, at their pace (ng lines per k pair). In one process against
-      // none (fe_stream_ahead.txt), two threads: OLMoE T = 1 1.016-1.074x, T = 4
-      // 1.007-1.027x, T = 16 (two rows an expert) 0.980-1.028x; one thread 0.964-0.996x, so
-      // only there, and only for one row; 32 lines ahead and more lost up to 23% at T = 4 / 16.
-      // The decode micro-benchmark agrees: its tile-major loop with this prefetch read 9% more
-      // on two threads at K = 2048 (as much at 1024) and 12% less on one (decode_stream_2t.txt,
-      // tmaj+L2:16).
+      // lines ahead of its loads, at their pace (ng lines per k pair). It helps where two cores
+      // share the memory and costs a little on one core, whose hardware prefetch keeps up
+      // alone, so only on two or more threads, and only for one row (two rows an expert gain
+      // nothing); farther ahead is slower. experiments/micro/decode_stream.cpp (with a threads
+      // argument) measures the same stream; docs/fused_experts.md, "Design alternatives".
       const char* t0 = reinterpret_cast<const char*>(g.w + e * N16 * gb + tile * fe::kTileGroups * gb);
       pf.p = t0 + kStreamAhead * 64;
       pf.end = t0 + ng * gb;

@@ -26,49 +26,23 @@
 // other tokens or on the thread split, so the kernel is batch invariant.
 //
 // Cost: bytes = E*H*4 (weight, once) + T*H*sizeof(x) + T*E*4; flops = 2*T*E*H. No scratch.
-// Floors at H = 3072, E = 256, bf16 x, weights cold, on the 2-core Zen 5 EPYC: read bandwidth
-// 19.2 GB/s on 1 thread, 34.8 GB/s on 2 (experiments/results/amd-epyc-2c-avx512_bf16/bench_peers.txt);
-// 512-bit f32 FMA peak 112-115 GFLOP/s per core (one FMA per ~0.28 ns,
-// experiments/results/amd-epyc-2c-avx512_bf16/dpbf16_peak.txt):
+// Floors at H = 3072, E = 256, bf16 x, weights cold, on the 2-core AVX-512 development
+// machine: read bandwidth ~19 GB/s on 1 thread and ~35 GB/s on 2 (the read probe
+// `python -m experiments.bench` prints), a 512-bit f32 FMA peak of ~112 GFLOP/s per core
+// (one FMA per ~0.28 ns: experiments/micro/dpbf16_peak.cpp):
 //     T     bytes     memory floor 1 / 2 thr    flops     compute floor 1 / 2 thr
-//     1    3.15 MB       164 / 91 us           1.6 M         14 / 7 us
-//     4    3.17 MB       165 / 91 us           6.3 M         56 / 28 us
-//     8    3.20 MB       167 / 92 us          12.6 M        111 / 56 us
-//    32    3.38 MB       176 / 97 us          50.3 M        445 / 223 us
+//     1    3.15 MB      ~164 / 91 us           1.6 M        ~14 / 7 us
+//     4    3.17 MB      ~165 / 91 us           6.3 M        ~56 / 28 us
+//     8    3.20 MB      ~167 / 92 us          12.6 M       ~111 / 56 us
+//    32    3.38 MB      ~176 / 97 us          50.3 M       ~445 / 223 us
 // So T <= 8 is memory-bound, and what matters is that the weight stream never stops while
 // the products run; T = 32 is compute-bound on one thread (a 4 x 6 tile is 24 FMAs per 6
-// weight and 4 x loads, well inside the load ports). The 4 x 4 tile before, without software
-// prefetch, streamed slower as T grew (18.4 GB/s at T = 1, 14.7 at T = 4, 11.7 at T = 8:
-// the hardware prefetchers stop at 4 KiB pages, and with more work per byte fewer demand
-// misses are in flight), and at T > 4 the memory was idle while the token blocks after the
-// first re-read the block from L2. Peer ratios: docs/performance.md.
-//   Tried and dropped: blocking H in 128..512-element slices with the accumulators of all
-//   token blocks kept in a per-thread scratch between slices (so a weight slice is read once
-//   for all tokens from L1; accumulators round-tripped through the stack twice per slice):
-//   1.1-1.8x slower at T = 8 and 32 than the whole-H tile. Widening x once into an f32 copy
-//   would break the fused-cast contract, and an f32 x runs no faster through this tile.
-// Tile shapes and the x conversion (AVX-512, 1 thread, bf16 x, weights cold, interleaved
-// rounds on the shared 2-core machine, load average 1.0-1.6, 2026-12-02, in a scratch A/B of
-// variants built side by side, not a committed output (the committed effect: the peer runs in
-// docs/performance.md); time ratios vs the 4 x 6 tile with vpmovzxwd + vpslld and no L1
-// prefetch, median [min..max] of per-round ratios):
-//   kept: vpermw + the L1 prefetch, 25 rounds: T = 1 0.98 [0.89..1.04], T = 4 0.92
-//   [0.73..1.24], T = 8 0.96 [0.78..1.07], T = 32 0.96 [0.89..1.12]; 2 threads, 15 rounds:
-//   T = 8 0.97, T = 32 0.98. Separately (9-15 rounds): vpermw alone 0.95-0.99 at T = 8 and
-//   32; the L1 prefetch alone 0.95 at T = 4, 0.92 at T = 8, 0.98 at T = 32; 8 lines ahead
-//   or 2 instead of 4: the same within noise.
-//   Dropped: 2 tokens x 12 experts (24 accumulators, each weight vector loaded once into a
-//   register and used for both tokens: half the conversions per FMA): 1.5-1.8x SLOWER at
-//   T = 8 and 32, also with H a compile-time constant (no row-pointer spills) and with the L1
-//   prefetch; still 1.2x slower at H = 3088, so likely partly the 12 rows 12 KiB apart
-//   landing in one 12-way L1 set, partly the doubled weight lines per FMA re-read from L2 by
-//   every token tile. 3 x 8: 1.08-1.16x slower (0.96-1.12 with H constant); 6 x 4, 8 x 3, 5 x 5:
-//   1.00-1.04 at T = 32, no better at T = 8. At T = 32 the tile shape hardly matters, even
-//   tiles with twice the conversions per FMA (8 x 3), so on this machine the conversion is
-//   not what holds T = 32 at ~80% of the FMA peak. H slices of 512 / 1024 / 1536 (weights in
-//   L1 for all token tiles, accumulators in a stack scratch between slices): 1.01-1.05x
-//   slower at T = 8 and 32 (the x slices of 8 token tiles evict the weight slice). Feeding
-//   vpermw from a masked 512-bit load instead of a 256-bit one: GCC then spills accumulators.
+// weight and 4 x loads, well inside the load ports). Hence the software prefetch a block
+// ahead: the hardware prefetchers stop at every 4 KiB page, and with more work per byte
+// fewer demand misses are in flight, so without it the stream slows as T grows and memory
+// idles while the token blocks after the first re-read the block from L2. Peer ratios:
+// docs/performance.md. The tile shapes, H slicings and x conversions that lost to this one,
+// and how to measure them: docs/router_gemm.md, "Design alternatives".
 #include "isa_begin.h"
 
 namespace moelab::cpu::MOELAB_ISA_NS {

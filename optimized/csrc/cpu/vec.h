@@ -28,7 +28,7 @@ inline vf vload(const float* p) { return {_mm512_loadu_ps(p)}; }
 inline vf vload(const float* p, int n) { return {_mm512_maskz_loadu_ps(tail_mask(n), p)}; }
 // 16 bf16 -> f32: one zero-masked vpermw puts word l into the high half of lane l and zeroes
 // the low half (lane l = h[l] << 16), one shuffle where vpmovzxwd + vpslld take two ops
-// (router_gemm redoes it for every expert block: its header has the A/B).
+// (router_gemm widens each x chunk again for every expert block, so the op it saves counts).
 inline vf widen_bf16(__m256i h) {
   const __m512i idx = _mm512_set_epi16(15, 0, 14, 0, 13, 0, 12, 0, 11, 0, 10, 0, 9, 0, 8, 0,
                                        7, 0, 6, 0, 5, 0, 4, 0, 3, 0, 2, 0, 1, 0, 0, 0);

@@ -23,8 +23,9 @@ constexpr const char* kPermute = "permute";
 constexpr const char* kPermuteOut = "permute_out";   // same checks, its own name in messages
 constexpr const char* kUnpermute = "unpermute";
 // Work per at::parallel_for task. Waking the second thread costs a few us, about what
-// copying 256 KB from L2 costs, so decode-sized calls stay on one thread (measured here: at
-// T=8, E=64, K=8, H=4096 bf16 (512 KB out) two threads were no faster; at T=64 (4 MB) 1.7x).
+// copying 256 KB from L2 costs, so decode-sized calls stay on one thread (at T=8, E=64, K=8,
+// H=4096 bf16, 512 KB out, two threads are no faster; at T=64, 4 MB, they are;
+// `python -m experiments.bench --ops permute --threads 1,2` times both).
 constexpr int64_t kCopyGrainBytes = int64_t(512) << 10;       // permute: bytes written
 constexpr int64_t kGatherGrainBytes = int64_t(256) << 10;     // unpermute: bytes read
 
