@@ -17,7 +17,7 @@
 //                                                        // `bytes`, contents undefined
 // Nothing here depends on how many threads the Pool runs or which one runs a range: every
 // pass writes each output element from exactly one item, so results are bit-identical for
-// any thread count (docs/fused_experts.md, "Batch invariance").
+// any thread count (docs/fused_experts.md, "Micro-kernels and the reduction order").
 #pragma once
 #include <algorithm>
 #include <atomic>
