@@ -21,6 +21,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -62,6 +63,25 @@ def test_corpus_replays():
         if not r.ok:
             problems.append(f"{runner.repro_command(s)}\n    {r.kind}: {r.message[:300]}")
     assert not problems, "corpus cases fail again:\n" + "\n".join(problems)
+
+
+def test_a_failing_run_appends_to_the_named_corpus_only(tmp_path):
+    """A failure goes to the corpus file the caller names, once per structure; a run that
+    names none (the library default) writes no corpus, the committed one included."""
+    def wrong(x, weight):
+        return torch.zeros(x.shape[0], weight.shape[0] + 1)     # a wrong shape fails every case
+    ns = SimpleNamespace(router_gemm=wrong)
+    committed = runner.CORPUS.read_bytes()
+    corpus = tmp_path / "corpus" / "failures.jsonl"
+    kw = dict(progress=False, bad_inputs="none", shrink_budget_s=2.0, ops=ns)
+    res = runner.run(["router_gemm"], ["cpu"], ["uniform"], 2.0, seed=0, corpus=corpus, **kw)
+    assert not res.ok and res.failures
+    saved = runner.load_corpus(corpus)
+    assert [e["structure"] for e in saved] == [res.failures[0]["structure"]]
+    assert not runner.append_corpus(saved[0]["structure"], {"kind": "x"}, corpus)   # already there
+    res = runner.run(["router_gemm"], ["cpu"], ["uniform"], 2.0, seed=0, **kw)
+    assert not res.ok
+    assert runner.CORPUS.read_bytes() == committed and len(runner.load_corpus(corpus)) == 1
 
 
 def test_corpus_file_is_well_formed():

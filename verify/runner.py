@@ -549,10 +549,13 @@ BAD_INPUT_MODES = ("all", "none", "only")
 
 
 def run(ops_names: Sequence[str], backends: Sequence[str], dists: Optional[Sequence[str]], budget_s: float,
-        seed: int = 0, corpus: Optional[Path] = CORPUS, progress: bool = True, bad_random: int = 40,
+        seed: int = 0, corpus: Optional[Path] = None, progress: bool = True, bad_random: int = 40,
         shrink_budget_s: Optional[float] = None, ops=None, allow_fallback: bool = False,
         bad_inputs: str = "all") -> RunResult:
     """The main job: every requested op x backend x distribution within budget_s seconds.
+    corpus: the JSON-lines file each failing structure is appended to (None: none; the CLI
+    passes CORPUS, the committed regression corpus, so a library call or a test writes nothing
+    unless it names a file).
     ops: the namespace under test (default: the `optimized` package). A cell served by a
     fallback (verify/provenance.py) is NOT VERIFIED and fails the run unless allow_fallback.
     bad_inputs: "all" (the bad-input fuzz first, then the cells), "none" (cells only) or
