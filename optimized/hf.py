@@ -9,7 +9,7 @@
 What happens:
 - The family comes from the model's config (`reference.families.from_config`, the text config of a
   multimodal model); every module of that family's MoE block class is found.
-- Each block's weights are converted once to moelab's layout (`reference.families.convert_block`:
+- Each block's weights are converted once to moelab's layout (`reference.transformers_blocks.convert_block`:
   gate/up order and interleaving, transposes, biases, shared experts), optionally quantized
   (`quant="fp8_block"` or `"mxfp4"`, by the reference quantizers), and prepacked into the CPU
   kernels' layout (`optimized.prepack_moe_weights`); the transformers parameters are then
@@ -32,9 +32,10 @@ from typing import List, Optional
 import torch
 
 import optimized
-from reference.families import Family, MoEWeights, convert_block, from_config, layer_kwargs
+from reference.families import Family, MoEWeights, from_config, layer_kwargs
 from reference.moe import SharedExpert, moe_forward
 from reference.quant import quantize_fp8_block, quantize_mxfp4
+from reference.transformers_blocks import convert_block
 from reference.validate import QUANT_FORMATS, check_choice
 
 __all__ = ["MoELayer", "patch_moe_blocks", "find_moe_blocks"]

@@ -1,4 +1,5 @@
-"""Conformance of the family presets (reference/families.py) with transformers' MoE blocks (SPEC 6).
+"""Conformance of the family presets (reference/families.py) with transformers' MoE blocks (SPEC 6),
+built, run and converted by reference/transformers_blocks.py.
 
 For every family of FAMILIES, on a tiny config with random bf16-representable weights and a
 tie-free input x [1, 7, H]:
@@ -29,6 +30,7 @@ import pytest
 import torch
 
 from reference import families as F
+from reference import transformers_blocks as TB
 from reference.fused_experts import fused_experts as ref_fused_experts
 from reference.route import route as ref_route, selection_keys
 from reference.router_gemm import router_gemm as ref_router_gemm
@@ -104,8 +106,8 @@ def case(name: str, shape=SHAPE):
     """(family, float64 block, exact weights, tie-free x [*shape, H] float64 bf16-representable)."""
     cfg = F.tiny_config(name)
     fam = F.from_config(cfg)
-    block = F.build_block(cfg, dtype=torch.float64, seed=0)
-    w64 = F.convert_block(block, fam, torch.float64)
+    block = TB.build_block(cfg, dtype=torch.float64, seed=0)
+    w64 = TB.convert_block(block, fam, torch.float64)
     H = cfg["hidden_size"]
     x = _tie_free_tokens(fam, w64, H, math.prod(shape), seed=1).reshape(*shape, H)
     return fam, block, w64, x
@@ -118,10 +120,10 @@ def _truth(name, shape=SHAPE):
     if getattr(block, "enable_moe_fp32_combine", False):
         block.enable_moe_fp32_combine = False
         try:
-            return F.run_block(block, x)
+            return TB.run_block(block, x)
         finally:
             block.enable_moe_fp32_combine = True
-    return F.run_block(block, x)
+    return TB.run_block(block, x)
 
 
 def _route_kwargs(fam, w):
@@ -139,7 +141,7 @@ def test_ids_and_weights(name):
     fam, block, w, x = case(name)
     x2 = x.reshape(-1, x.shape[-1])
     ours_w, ours_ids = ref_route(_logits64(fam, w, x2), fam.top_k, fam.method, **_route_kwargs(fam, w))
-    hf_w, hf_ids = F.transformers_route(block, fam, x)
+    hf_w, hf_ids = TB.transformers_route(block, fam, x)
     ours_ids = ours_ids.to(torch.int64)
     if fam.hf_sorted:
         assert torch.equal(ours_ids, hf_ids), f"{name}: ids differ\n{ours_ids}\n{hf_ids}"
@@ -156,7 +158,7 @@ def test_ids_and_weights(name):
 def test_layer_with_transformers_routing(name):
     """(c) the rest of the layer (experts, shared expert, combine) equals block(x) to 1e-10."""
     fam, block, w, x = case(name)
-    hf_w, hf_ids = F.transformers_route(block, fam, x)
+    hf_w, hf_ids = TB.transformers_route(block, fam, x)
     ops = types.SimpleNamespace(
         router_gemm=ref_router_gemm, fused_experts=ref_fused_experts,
         route=lambda logits, top_k, method, **kw: (hf_w.to(torch.float64).contiguous(),
@@ -182,7 +184,7 @@ def test_hy_v3_fp32_combine():
     bf16(routed + shared) (two bf16 values add exactly in f32)."""
     fam, block, w, x = case("hy_v3")
     assert block.enable_moe_fp32_combine
-    with_f32 = F.run_block(block, x)
+    with_f32 = TB.run_block(block, x)
     truth = _truth("hy_v3")
     # f32(f32(routed) + f32(shared)): three f32 roundings, each at most 2^-24 of its value
     with torch.no_grad():
@@ -192,7 +194,7 @@ def test_hy_v3_fp32_combine():
     assert ((with_f32 - truth).abs() <= bound).all()
     assert not torch.equal(with_f32, truth)          # the f32 rounding is really there
     _, block16 = case("hy_v3", BF16_SHAPE)[:2]
-    assert F.transformers_bf16(block16).enable_moe_fp32_combine
+    assert TB.transformers_bf16(block16).enable_moe_fp32_combine
 
 
 # ----------------------------------------------------------------------------- bf16
@@ -207,7 +209,7 @@ BF16_SHAPE = (4, 16)
 
 
 def _bf16_ids(block16, fam, x16):
-    _, ids = F.transformers_route(block16, fam, x16)
+    _, ids = TB.transformers_route(block16, fam, x16)
     return ids.sort(-1).values
 
 
@@ -231,11 +233,11 @@ def _bf16_case(name):
     fam, block, w64, x = case(name, BF16_SHAPE)
     truth = _truth(name, BF16_SHAPE)
     x16 = x.to(torch.bfloat16)
-    block16 = F.transformers_bf16(block)
-    theirs = F.run_block(block16, x16)
-    true_ids = F.transformers_route(block, fam, x)[1].sort(-1).values
+    block16 = TB.transformers_bf16(block)
+    theirs = TB.run_block(block16, x16)
+    true_ids = TB.transformers_route(block, fam, x)[1].sort(-1).values
     same = (_bf16_ids(block16, fam, x16) == true_ids).all(-1)
-    w16 = F.convert_block(block, fam, torch.bfloat16)
+    w16 = TB.convert_block(block, fam, torch.bfloat16)
     ours = F.moe_layer(x16, fam, w16)
     assert ours.dtype == torch.bfloat16
     return fam, x16, w16, truth, same, theirs, ours
@@ -274,7 +276,7 @@ def test_bf16_reference_at_least_as_close_as_transformers(name):
     x2 = x16.reshape(-1, x16.shape[-1])
     ids = ref_route(ref_router_gemm(x2, w16.router_weight) + (0 if w16.router_bias is None else w16.router_bias),
                     fam.top_k, fam.method, **_route_kwargs(fam, w16))[1]
-    true_ids = F.transformers_route(case(name, BF16_SHAPE)[1], fam, case(name, BF16_SHAPE)[3])[1]
+    true_ids = TB.transformers_route(case(name, BF16_SHAPE)[1], fam, case(name, BF16_SHAPE)[3])[1]
     assert torch.equal(ids.to(torch.int64).sort(-1).values, true_ids.sort(-1).values), f"{name}: bf16 ids"
     _check_ours(name, ours, "reference")
 
@@ -436,7 +438,7 @@ def test_table_is_complete():
     for name, fam in F.FAMILIES.items():
         assert fam.name == name
         F.tiny_config(name)
-        assert F._block_class(fam).__name__ == fam.block.rsplit(".", 1)[1]
+        assert TB._block_class(fam).__name__ == fam.block.rsplit(".", 1)[1]
     for mt in F.UNSUPPORTED:
         assert importlib.util.find_spec(f"transformers.models.{mt}") is not None, mt
     with pytest.raises(ValueError, match="^tiny_config: argument 'name'"):
