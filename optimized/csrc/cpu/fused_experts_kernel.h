@@ -388,6 +388,122 @@ inline void acc_rescale(Acc (&acc)[R][NG], const Factor (&f)[NG]) {
       acc[r][g].hi = _mm256_mul_ps(acc[r][g].hi, f[g].hi);
     }
 }
+
+#elif MOELAB_ISA_NEON
+// fp8 fast path at NEON: avx2's Fp8Dec (a 16-entry table per 128-k block, an exponent add;
+// the same range rule and the same bits as the exact decoder), the two byte tables looked up
+// with one `tbl` (vqtbl1q_u8) each per 16 codes. Word i of a W32 is code byte i (i = 2c + p),
+// so 16 codes give q[0], q[1] (columns 0-7) and the next 16 q[2], q[3] after a byte zip.
+struct Fp8Dec {
+  static constexpr int kStep = 1;
+  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr bool kRescales = false;
+  ExactDec exact;
+  uint8x16_t tlo, thi;   // bytes of bf16(e4m3(i) * s), i = 0..15
+  bool slow_block;
+  void begin_block(int64_t b) {
+    const float s = exact.srow[b], a = s < 0.0f ? -s : s;
+    slow_block = !(a >= 0x1p-120f && a < 0x1p119f);
+    if (slow_block) return;
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int i = 0; i < 16; ++i) {
+      const uint16_t v = f32_to_bf16(e4m3_to_f32(uint8_t(i)) * s);
+      lo[i] = uint8_t(v & 0xff);
+      hi[i] = uint8_t(v >> 8);
+    }
+    tlo = vld1q_u8(lo);
+    thi = vld1q_u8(hi);
+  }
+  // 16 codes -> 16 words (two uint16x8_t, codes 0-7 and 8-15).
+  inline void words(uint8x16_t c, uint16x8_t* w0, uint16x8_t* w1) const {
+    const uint8x16_t e = vandq_u8(vshrq_n_u8(c, 3), vdupq_n_u8(0x0f));   // exponent field
+#ifdef MOELAB_PLANT_NEON_FP8_TABLE
+    // Negative control (tests/test_aarch64.py): subnormal codes take the normal entries.
+    const uint8x16_t idx = vorrq_u8(vandq_u8(c, vdupq_n_u8(0x07)), vdupq_n_u8(0x08));
+#else
+    const uint8x16_t idx = vorrq_u8(vandq_u8(c, vdupq_n_u8(0x07)), vandq_u8(vtstq_u8(c, vdupq_n_u8(0x78)), vdupq_n_u8(0x08)));
+#endif
+    const uint8x16_t lo = vqtbl1q_u8(tlo, idx);
+    const uint8x16_t hi = veorq_u8(vqtbl1q_u8(thi, idx), vandq_u8(c, vdupq_n_u8(0x80)));
+    const uint8x16_t ea = vqsubq_u8(e, vdupq_n_u8(1));   // E - 1, or 0 for E = 0
+    *w0 = vaddq_u16(vreinterpretq_u16_u8(vzip1q_u8(lo, hi)), vshlq_n_u16(vmovl_u8(vget_low_u8(ea)), 7));
+    *w1 = vaddq_u16(vreinterpretq_u16_u8(vzip2q_u8(lo, hi)), vshlq_n_u16(vmovl_high_u8(ea), 7));
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    if (slow_block) return exact.get(g, kk, out);
+    const uint8_t* p = exact.w + g * exact.gb + kk * 32;
+    words(vld1q_u8(p), &out[0].q[0], &out[0].q[1]);
+    words(vld1q_u8(p + 16), &out[0].q[2], &out[0].q[3]);
+  }
+};
+
+inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex, {}, {}, true}; }
+
+// mxfp4 fast path at NEON: the exact decoder's weights, bf16(e2m1(c) * 2^(s-127)), without
+// rescaled accumulators. An octet (64 bytes, 4 k pairs) read as 32 words is already in W32's
+// word order (word 2c + p = the codes of column c, k parity p, pair j in bits 4j..4j+3); per
+// pair: a shift and mask, one `tbl` for the low and one for the high bytes of the 16 e2m1
+// bf16 patterns, and the scale's exponent added to every nonzero weight (+-0 stays +-0).
+// Adding (s - 127) << 7 to the bits multiplies by 2^(s-127) exactly while the product stays
+// normal: s in [2, 252] for |e2m1| in [0.5, 6]; tiles with a scale byte outside
+// [kMxFastLo, kMxFastHi] take the exact decoder (tile_needs_slow), so the bits are the exact
+// decoder's, and the dp sequence is the scalar level's: the same output bits.
+template <int NG>
+struct Mx4Dec {
+  static constexpr int kStep = 4;
+  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr bool kRescales = false;
+  const uint8_t* w;
+  int64_t gb;
+  const uint8_t* ms;
+  int64_t sgb;
+  uint8x16_t tlo, thi;
+  uint16x8_t ex[NG][4];   // (s[c] - 127) << 7 for word 2c + p, c = 4j..4j+3 in ex[g][j]
+  void init() {
+    alignas(16) uint8_t lo[16], hi[16];
+    for (int c = 0; c < 16; ++c) {
+      const uint16_t v = f32_to_bf16(e2m1_to_f32(uint8_t(c)));
+      lo[c] = uint8_t(v & 0xff);
+      hi[c] = uint8_t(v >> 8);
+    }
+    tlo = vld1q_u8(lo);
+    thi = vld1q_u8(hi);
+  }
+  void begin_block(int64_t b) {
+    for (int g = 0; g < NG; ++g) {
+      const uint8x16_t sc = vld1q_u8(ms + g * sgb + b * fe::kGroupN);   // columns 0..15
+      const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(sc)));
+      const int16x8_t hi = vreinterpretq_s16_u16(vmovl_high_u8(sc));
+      const uint16x8_t dlo = vreinterpretq_u16_s16(vshlq_n_s16(vsubq_s16(lo, vdupq_n_s16(127)), 7));
+      const uint16x8_t dhi = vreinterpretq_u16_s16(vshlq_n_s16(vsubq_s16(hi, vdupq_n_s16(127)), 7));
+      ex[g][0] = vzip1q_u16(dlo, dlo);   // columns 0-3, each twice
+      ex[g][1] = vzip2q_u16(dlo, dlo);
+      ex[g][2] = vzip1q_u16(dhi, dhi);
+      ex[g][3] = vzip2q_u16(dhi, dhi);
+    }
+  }
+  inline uint16x8_t decode(uint16x8_t n, uint16x8_t e) const {   // n: codes in the low nibble
+    const uint8x16_t idx = vreinterpretq_u8_u16(n);                // high bytes index entry 0 (+0)
+    const uint16x8_t v = vorrq_u16(vreinterpretq_u16_u8(vqtbl1q_u8(tlo, idx)),
+                                   vshlq_n_u16(vreinterpretq_u16_u8(vqtbl1q_u8(thi, idx)), 8));
+#ifdef MOELAB_PLANT_NEON_MX_ZERO
+    return vaddq_u16(v, e);   // negative control (tests/test_aarch64.py): zeros get the exponent too
+#else
+    return vaddq_u16(v, vandq_u16(e, vtstq_u16(v, vdupq_n_u16(0x7fff))));
+#endif
+  }
+  void get(int g, int64_t kk, W32* out) const {
+    const uint16_t* p = reinterpret_cast<const uint16_t*>(w + g * gb + (kk / 4) * 64);
+    const uint16x8_t m = vdupq_n_u16(0x000f);
+    for (int q = 0; q < 4; ++q) {
+      const uint16x8_t d = vld1q_u16(p + 8 * q);
+      out[0].q[q] = decode(vandq_u16(d, m), ex[g][q]);
+      out[1].q[q] = decode(vandq_u16(vshrq_n_u16(d, 4), m), ex[g][q]);
+      out[2].q[q] = decode(vandq_u16(vshrq_n_u16(d, 8), m), ex[g][q]);
+      out[3].q[q] = decode(vshrq_n_u16(d, 12), ex[g][q]);
+    }
+  }
+};
 #endif
 
 // --------------------------------------------------------------------- prefetching
@@ -817,7 +933,7 @@ void item_groups(const Item& it, int gbase) {
     return;
   }
   const ExactDec exact{g.quant, w, gb, K, it.srow, it.tms ? it.tms + gbase * sgb : nullptr, sgb};
-  const bool use_exact = it.slow || MOELAB_ISA_LEVEL < 1;
+  const bool use_exact = it.slow || (MOELAB_ISA_LEVEL < 1 && !MOELAB_ISA_NEON);
 
   if (it.blocked) {
     const int64_t g_first = it.tile * fe::kTileGroups + gbase;
@@ -859,11 +975,20 @@ void item_groups(const Item& it, int gbase) {
         return;
       }
 #endif
+#elif MOELAB_ISA_NEON
+      else if (g.quant == fe::kFP8) {
+        Fp8Dec d = fp8_dec(exact);
+        dequant<NG>(d, K2, it.buf, it.pf);
+      } else {   // mxfp4: the buffer holds the scaled weights (the exact decoder's)
+        Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}, {}};
+        d.init();
+        dequant<NG>(d, K2, it.buf, it.pf);
+      }
 #endif
       *it.tag = TileTag{g.w, it.e, g_first, NG, it.slow, true};
     }
     // mxfp4's fast decoder leaves the scales to the accumulators (Mx4Dec), unless mx_scaled
-    const bool rescaled = g.quant == fe::kMXFP4 && !use_exact && !g.mx_scaled;
+    const bool rescaled = !MOELAB_ISA_NEON && g.quant == fe::kMXFP4 && !use_exact && !g.mx_scaled;
     blocked_rows<NG, false>(it.buf, 0, a, g.lda, K2, o, it.p0, it.m, it.pf,
                      rescaled ? it.tms + gbase * sgb : nullptr, sgb);
     return;
@@ -882,6 +1007,14 @@ void item_groups(const Item& it, int gbase) {
     all_rows<NG, kTinyRows>(fp8_dec(exact), a, g.lda, K2, o, it.p0, it.m, it.pf);
   } else {
     Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}};
+    d.init();
+    all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m, it.pf);
+  }
+#elif MOELAB_ISA_NEON
+  if (g.quant == fe::kFP8) {
+    all_rows<NG, kTinyRows>(fp8_dec(exact), a, g.lda, K2, o, it.p0, it.m, it.pf);
+  } else {
+    Mx4Dec<NG> d{w, gb, it.tms + gbase * sgb, sgb, {}, {}, {}};
     d.init();
     all_rows<NG, kTinyRows>(d, a, g.lda, K2, o, it.p0, it.m, it.pf);
   }
@@ -1071,6 +1204,17 @@ void fused_experts_act(const uint16_t* h, int64_t ldh, uint16_t* a, int64_t lda,
       __m256i d = _mm256_load_si256((const __m256i*)tmp);
       gate = vf{_mm256_castsi256_ps(_mm256_slli_epi32(d, 16))};
       up = vf{_mm256_castsi256_ps(_mm256_and_si256(d, _mm256_set1_epi32(int(0xffff0000u))))};
+#elif MOELAB_ISA_NEON
+      uint32x4_t d;
+      if (n == 4) {
+        d = vreinterpretq_u32_u16(vld1q_u16(hr + 2 * i));
+      } else {
+        alignas(16) uint32_t tmp[4] = {0, 0, 0, 0};
+        std::memcpy(tmp, hr + 2 * i, size_t(n) * 4);
+        d = vld1q_u32(tmp);
+      }
+      gate = vf{vreinterpretq_f32_u32(vshlq_n_u32(d, 16))};
+      up = vf{vreinterpretq_f32_u32(vandq_u32(d, vdupq_n_u32(0xffff0000u)))};
 #else
       gate = vf{bf16_to_f32(hr[2 * i])};
       up = vf{bf16_to_f32(hr[2 * i + 1])};

@@ -7,7 +7,7 @@
 //   dp(acc, x, w): acc[c] += x[2kk] * w[c][0] + x[2kk+1] * w[c][1] at the level's precision:
 //     avx512_bf16: vdpbf16ps (odd product, then even, each added in f32 with RNE; bf16
 //                  subnormal inputs read as 0, subnormal results flushed, MXCSR ignored)
-//     avx512 / avx2 / scalar: fma(x0, w0, acc) then fma(x1, w1, acc), bf16 widened exactly
+//     avx512 / avx2 / scalar / neon: fma(x0, w0, acc) then fma(x1, w1, acc), bf16 widened exactly
 // The same dp sequence over kk = 0, 1, ... is every path's reduction order at one level.
 //
 // vexp: f32 exp (Cephes expf polynomial, <= 2 ulp on [-87.3, 88.7]; 0 below -88.0, +inf at
@@ -72,6 +72,36 @@ inline __m256 dp_half(__m256 c, const XP& x, __m256i w) {
   return _mm256_fmadd_ps(x.x1, odd, _mm256_fmadd_ps(x.x0, even, c));
 }
 inline Acc dp(Acc c, XP x, W32 w) { return {dp_half(c.lo, x, w.lo), dp_half(c.hi, x, w.hi)}; }
+
+#elif MOELAB_ISA_NEON
+struct W32 { uint16x8_t q[4]; };    // q[j]: columns 4j..4j+3, both k of the pair
+struct Acc { float32x4_t q[4]; };   // q[j]: columns 4j..4j+3
+struct XP { float32x4_t x0, x1; };
+inline W32 w_load(const uint16_t* p) { return {{vld1q_u16(p), vld1q_u16(p + 8), vld1q_u16(p + 16), vld1q_u16(p + 24)}}; }
+inline void w_store(uint16_t* p, W32 w) {
+  for (int j = 0; j < 4; ++j) vst1q_u16(p + 8 * j, w.q[j]);
+}
+inline Acc acc_zero() { return {{vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f), vdupq_n_f32(0.0f)}}; }
+inline void acc_store(float* p, Acc a) {
+  for (int j = 0; j < 4; ++j) vst1q_f32(p + 4 * j, a.q[j]);
+}
+inline Acc acc_load(const float* p) { return {{vld1q_f32(p), vld1q_f32(p + 4), vld1q_f32(p + 8), vld1q_f32(p + 12)}}; }
+inline XP x_pair(const uint16_t* a) {   // one word pair broadcast, both values widened in place
+  uint32_t u;
+  std::memcpy(&u, a, 4);
+  const uint32x4_t d = vdupq_n_u32(u);
+  return {vreinterpretq_f32_u32(vshlq_n_u32(d, 16)), vreinterpretq_f32_u32(vandq_u32(d, vdupq_n_u32(0xffff0000u)))};
+}
+// The same two fmas per column as the scalar and avx2 / avx512 levels: the same bits.
+inline Acc dp(Acc c, XP x, W32 w) {
+  for (int j = 0; j < 4; ++j) {
+    const uint32x4_t u = vreinterpretq_u32_u16(w.q[j]);
+    const float32x4_t even = vreinterpretq_f32_u32(vshlq_n_u32(u, 16));
+    const float32x4_t odd = vreinterpretq_f32_u32(vandq_u32(u, vdupq_n_u32(0xffff0000u)));
+    c.q[j] = vfmaq_f32(vfmaq_f32(c.q[j], x.x0, even), x.x1, odd);
+  }
+  return c;
+}
 
 #else
 struct W32 { uint16_t v[32]; };
@@ -146,6 +176,26 @@ inline vf vexp(vf x) {
   __m256 e = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return {_mm256_mul_ps(e, _mm256_castsi256_ps(bits))};
+}
+#elif MOELAB_ISA_NEON
+inline vf vmin_(vf a, vf b) { return {vbslq_f32(vcltq_f32(a.v, b.v), a.v, b.v)}; }   // b when NaN
+inline vf vmax_(vf a, vf b) { return {vbslq_f32(vcgtq_f32(a.v, b.v), a.v, b.v)}; }
+inline vf vdiv(vf a, vf b) { return {vdivq_f32(a.v, b.v)}; }
+inline vf vexp(vf x) {   // the scalar level's operations, lane for lane (the same bits)
+  float32x4_t xv = vbslq_f32(vcgtq_f32(x.v, vdupq_n_f32(-88.0f)), x.v, vdupq_n_f32(-88.0f));
+  xv = vbslq_f32(vcltq_f32(xv, vdupq_n_f32(88.7f)), xv, vdupq_n_f32(88.7f));
+  const float32x4_t n = vrndnq_f32(vmulq_f32(xv, vdupq_n_f32(1.44269504088896341f)));
+  float32x4_t r = vfmsq_f32(xv, n, vdupq_n_f32(0.693359375f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t p = vdupq_n_f32(1.9875691500e-4f);
+  p = vfmaq_f32(vdupq_n_f32(1.3981999507e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(8.3334519073e-3f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(4.1665795894e-2f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.6666665459e-1f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(5.0000001201e-1f), p, r);
+  const float32x4_t e = vfmaq_f32(vaddq_f32(r, vdupq_n_f32(1.0f)), p, vmulq_f32(r, r));
+  const int32x4_t bits = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return {vmulq_f32(e, vreinterpretq_f32_s32(bits))};
 }
 #else
 inline vf vmin_(vf a, vf b) { return {(a.v < b.v) ? a.v : b.v}; }   // b when NaN

@@ -3,9 +3,14 @@
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
+#if defined(__aarch64__) && defined(__linux__)
+#include <asm/hwcap.h>
+#include <sys/auxv.h>
+#endif
 
 namespace moelab::cpu {
 
+#if defined(__x86_64__) || defined(__i386__)
 Isa detected_isa() {
   static const Isa isa = [] {
     __builtin_cpu_init();
@@ -20,10 +25,26 @@ Isa detected_isa() {
   }();
   return isa;
 }
+#elif defined(__aarch64__)
+Isa detected_isa() {
+  // ASIMD is architectural on aarch64, but a kernel that could be built for a core without it
+  // (or an emulator that hides it) should say so rather than fault: ask the kernel's hwcaps.
+  static const Isa isa = [] {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMD) ? Isa::kNeon : Isa::kScalar;
+#else
+    return Isa::kNeon;
+#endif
+  }();
+  return isa;
+}
+#else
+Isa detected_isa() { return Isa::kScalar; }
+#endif
 
 static std::atomic<int>& cap() {
   static std::atomic<int> c = [] {
-    Isa isa = Isa::kAvx512Bf16;
+    Isa isa = static_cast<Isa>(kIsaTop);
     const char* env = std::getenv("MOELAB_ISA");
     if (env && *env) parse_isa(env, &isa);
     return static_cast<int>(isa);
@@ -41,15 +62,19 @@ void set_isa_cap(Isa c) { cap().store(static_cast<int>(c)); }
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kScalar: return "scalar";
+#if defined(__x86_64__) || defined(__i386__)
     case Isa::kAvx2: return "avx2";
     case Isa::kAvx512: return "avx512";
     case Isa::kAvx512Bf16: return "avx512_bf16";
+#elif defined(__aarch64__)
+    case Isa::kNeon: return "neon";
+#endif
   }
   return "?";
 }
 
 bool parse_isa(const char* name, Isa* out) {
-  for (int i = 0; i <= 3; ++i) {
+  for (int i = 0; i <= kIsaTop; ++i) {
     if (std::strcmp(name, isa_name(static_cast<Isa>(i))) == 0) {
       *out = static_cast<Isa>(i);
       return true;

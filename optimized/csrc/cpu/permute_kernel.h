@@ -117,6 +117,8 @@ inline void zero_bytes(char* dst, int64_t n) {
 inline vf no_contract(vf a) {
 #if MOELAB_ISA_LEVEL >= 2
   __asm__("" : "+v"(a.v));
+#elif MOELAB_ISA_NEON
+  __asm__("" : "+w"(a.v));
 #else
   __asm__("" : "+x"(a.v));
 #endif
@@ -136,6 +138,15 @@ inline void vstore_f16(uint16_t* p, vf a, int n) {
   } else {
     alignas(16) uint16_t t[8];
     _mm_store_si128((__m128i*)t, h);
+    for (int i = 0; i < n; ++i) p[i] = t[i];
+  }
+#elif MOELAB_ISA_NEON
+  const uint16x4_t h = vreinterpret_u16_f16(vcvt_f16_f32(a.v));   // RNE: FPCR's default mode
+  if (n >= 4) {
+    vst1_u16(p, h);
+  } else {
+    alignas(8) uint16_t t[4];
+    vst1_u16(t, h);
     for (int i = 0; i < n; ++i) p[i] = t[i];
   }
 #else

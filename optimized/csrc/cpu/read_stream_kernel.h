@@ -37,6 +37,17 @@ inline uint64_t acc_total(Acc a) {
   _mm256_store_si256(reinterpret_cast<__m256i*>(v), _mm256_add_epi64(a.lo, a.hi));
   return v[0] + v[1] + v[2] + v[3];
 }
+#elif MOELAB_ISA_NEON
+using Acc = uint64x2_t;   // 64 bytes -> 4 x 16 bytes, pairwise widened 8 -> 16 -> 32 -> 64 bits
+inline Acc acc_zero() { return vdupq_n_u64(0); }
+inline Acc acc_block(Acc a, const uint8_t* p) {
+  uint16x8_t s = vpaddlq_u8(vld1q_u8(p));
+  s = vpadalq_u8(s, vld1q_u8(p + 16));
+  s = vpadalq_u8(s, vld1q_u8(p + 32));
+  s = vpadalq_u8(s, vld1q_u8(p + 48));
+  return vpadalq_u32(a, vpaddlq_u16(s));
+}
+inline uint64_t acc_total(Acc a) { return vgetq_lane_u64(a, 0) + vgetq_lane_u64(a, 1); }
 #else
 using Acc = uint64_t;
 inline Acc acc_zero() { return 0; }

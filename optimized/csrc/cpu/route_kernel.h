@@ -192,6 +192,78 @@ struct Acc16 {
   }
 };
 
+#elif MOELAB_ISA_NEON
+// aarch64 NEON, 4 lanes: avx2's operations lane for lane (x86 maxps / blend semantics spelled
+// with compares and bsl, since NEON's fmax / fmin would return the NaN).
+struct vu { uint32x4_t v; };
+struct vm { uint32x4_t v; };
+struct vd { float64x2_t lo, hi; };
+inline vf vsub(vf a, vf b) { return {vsubq_f32(a.v, b.v)}; }
+inline vf vdiv(vf a, vf b) { return {vdivq_f32(a.v, b.v)}; }
+inline vf vfnma(vf a, vf b, vf c) { return {vfmsq_f32(c.v, a.v, b.v)}; }   // c - a*b, one rounding
+inline vf vnabs(vf a) { return {vreinterpretq_f32_u32(vorrq_u32(vreinterpretq_u32_f32(a.v), vdupq_n_u32(0x80000000u)))}; }
+inline vf vmaxc(vf a, vf b) { return {vbslq_f32(vcgtq_f32(a.v, b.v), a.v, b.v)}; }   // a > b ? a : b
+inline vm vlt(vf a, vf b) { return {vcltq_f32(a.v, b.v)}; }
+inline vm visnan(vf a) { return {vmvnq_u32(vceqq_f32(a.v, a.v))}; }
+inline vm vmor(vm a, vm b) { return {vorrq_u32(a.v, b.v)}; }
+inline bool vany(vm a) { return vmaxvq_u32(a.v) != 0; }
+inline vf vsel(vm m, vf a, vf b) { return {vbslq_f32(m.v, a.v, b.v)}; }   // m ? a : b
+inline vm lanes_below(int n) {
+  const int32_t iota[4] = {0, 1, 2, 3};
+  return {vcgtq_s32(vdupq_n_s32(n), vld1q_s32(iota))};
+}
+inline float hmax(vf a) {   // avx2's last two steps: (l0 vs l2, l1 vs l3), then lane 0 vs lane 1
+  const float32x2_t lo = vget_low_f32(a.v), hi = vget_high_f32(a.v);
+  const float32x2_t m = vbsl_f32(vcgt_f32(lo, hi), lo, hi);
+  const float m0 = vget_lane_f32(m, 0), m1 = vget_lane_f32(m, 1);
+  return m0 > m1 ? m0 : m1;
+}
+// 2^n1 * 2^n2 with n = n1 + n2, both factors normal: as at avx2 (one rounding).
+inline vf vscale2(vf y, vf n) {
+  const int32x4_t ni = vcvtnq_s32_f32(n.v);
+  const int32x4_t n1 = vshrq_n_s32(ni, 1), n2 = vsubq_s32(ni, n1);
+  const float32x4_t s1 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n1, vdupq_n_s32(127)), 23));
+  const float32x4_t s2 = vreinterpretq_f32_s32(vshlq_n_s32(vaddq_s32(n2, vdupq_n_s32(127)), 23));
+  return {vmulq_f32(vmulq_f32(y.v, s1), s2)};
+}
+template <bool NEGZ> MOELAB_AI vu okey(vf f) {
+  uint32x4_t u = vreinterpretq_u32_f32(f.v);
+  if constexpr (NEGZ) u = vbicq_u32(u, vceqq_u32(u, vdupq_n_u32(0x80000000u)));
+  const uint32x4_t flip = vorrq_u32(vreinterpretq_u32_s32(vshrq_n_s32(vreinterpretq_s32_u32(u), 31)), vdupq_n_u32(0x80000000u));
+  return {vorrq_u32(veorq_u32(u, flip), vmvnq_u32(vceqq_f32(f.v, f.v)))};
+}
+inline void ustore(uint32_t* p, vu a) { vst1q_u32(p, a.v); }
+inline vu uload(const uint32_t* p) { return {vld1q_u32(p)}; }
+inline vf ld_f32(const float* p, int n) { return n >= 4 ? vload(p) : vload(p, n); }
+inline vf ld_bf16(const uint16_t* p, int n) { return n >= 4 ? vload_bf16(p) : vload_bf16(p, n); }
+inline vf ld_f16(const uint16_t* p, int n) { return n >= 4 ? vload_f16(p) : vload_f16(p, n); }
+inline void st_f32(float* p, vf a) { vst1q_f32(p, a.v); }
+inline vd widen_sum(vf a, vf b) {
+  return {vaddq_f64(vcvt_f64_f32(vget_low_f32(a.v)), vcvt_f64_f32(vget_low_f32(b.v))),
+          vaddq_f64(vcvt_high_f64_f32(a.v), vcvt_high_f64_f32(b.v))};
+}
+inline void dstore(double* p, vd a) { vst1q_f64(p, a.lo); vst1q_f64(p + 2, a.hi); }
+inline vd dload(const double* p) { return {vld1q_f64(p), vld1q_f64(p + 2)}; }
+inline vf mul_round(vd a, double inv) {
+  const float64x2_t s = vdupq_n_f64(inv);
+  return {vcvt_high_f32_f64(vcvt_f32_f64(vmulq_f64(a.lo, s)), vmulq_f64(a.hi, s))};
+}
+struct Acc16 {
+  float64x2_t a[4][2];   // a[j]: lanes 4j..4j+3
+  Acc16() { for (int k = 0; k < 4; ++k) a[k][0] = a[k][1] = vdupq_n_f64(0.0); }
+  MOELAB_AI void add(vd e, int64_t i) {   // the 4 lanes are elements i..i+3: lanes (i % 16)..+3
+    const int b = int(i >> 2) & 3;
+    a[b][0] = vaddq_f64(a[b][0], e.lo);
+    a[b][1] = vaddq_f64(a[b][1], e.hi);
+  }
+  double total() const {   // lane l += l + 8, then + 4, + 2, + 1
+    const float64x2_t u0 = vaddq_f64(vaddq_f64(a[0][0], a[2][0]), vaddq_f64(a[1][0], a[3][0]));
+    const float64x2_t u1 = vaddq_f64(vaddq_f64(a[0][1], a[2][1]), vaddq_f64(a[1][1], a[3][1]));
+    const float64x2_t v = vaddq_f64(u0, u1);
+    return vgetq_lane_f64(v, 0) + vgetq_lane_f64(v, 1);
+  }
+};
+
 #else
 struct vu { uint32_t v; };
 struct vm { bool v; };
@@ -537,6 +609,12 @@ inline void select_scan(const uint32_t* ok, int E, int K, uint64_t* out) {
       m &= m - 1;
       offer(L, K, ok[i + l], uint32_t(i + l));
     }
+  }
+#elif MOELAB_ISA_NEON
+  for (; i + 4 <= E; i += 4) {
+    const uint32x4_t gt = vcgtq_u32(vld1q_u32(ok + i), vdupq_n_u32(L.thr));
+    if (vmaxvq_u32(gt) == 0) continue;
+    for (int l = 0; l < 4; ++l) offer(L, K, ok[i + l], uint32_t(i + l));   // offer re-checks thr
   }
 #endif
   for (; i < E; ++i) offer(L, K, ok[i], uint32_t(i));

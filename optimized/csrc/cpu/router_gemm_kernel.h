@@ -20,8 +20,9 @@
 // vpslld; same bits, same lanes, so the reduction order below is unchanged.
 //
 // Reduction order of out[t,e] (batch invariance): lane l of the accumulator sums the chunks
-// h = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 1 scalar) in increasing c, one f32 FMA
-// per lane per chunk, the zero-padded tail chunk last; then one horizontal sum (vsum). It
+// h = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 4 on NEON, 1 scalar) in increasing c, one
+// f32 FMA per lane per chunk, the zero-padded tail chunk last; then one horizontal sum (vsum;
+// NEON: (l0 + l2) + (l1 + l3)). It
 // depends on H and the ISA only, never on T, on the tile a token or expert lands in, on the
 // other tokens or on the thread split, so the kernel is batch invariant.
 //

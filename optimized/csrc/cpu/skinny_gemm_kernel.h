@@ -25,7 +25,7 @@
 //     registers (exact) and accumulate with f32 FMA (one rounding per step).
 //
 // Reduction order of out[t,n] (batch invariance): lane l of the vector accumulator sums the
-// chunks k = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 1 scalar; on the dpbf16 path pairs
+// chunks k = c*V + l (V = 16 lanes on AVX-512, 8 on AVX2, 4 on NEON, 1 scalar; on the dpbf16 path pairs
 // k = 32c + 2l + {1, 0} in that order) in increasing c, a zero-padded tail chunk last; then
 // one fixed horizontal sum of the lanes; then + f32(bias[n]) (one rounding); then one
 // rounding to the output dtype. Every step depends on K and the ISA level only, never on T,

@@ -4,6 +4,7 @@
 //   level 2 avx512      : 16 lanes (__m512)
 //   level 1 avx2        :  8 lanes (__m256), tails through a small stack buffer
 //   level 0 scalar      :  1 lane  (float)
+//   aarch64 neon        :  4 lanes (float32x4_t), tails through a small stack buffer
 //
 // Loads widen bf16/f16 to f32 in registers; stores to bf16 round to nearest even (NaN
 // stays NaN), the same rounding as formats.h, so every level rounds bit-identically.
@@ -111,6 +112,71 @@ inline float vsum(vf a) {
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+#elif MOELAB_ISA_NEON
+// aarch64 NEON: 4 lanes (float32x4_t). bf16 widens by a shift into the high half (exact);
+// narrowing is the integer RNE + quiet-NaN rule of the x86 levels, lane for lane. Tails go
+// through a small stack buffer, as at avx2, so nothing past n is read or written.
+constexpr int kVecF = 4;
+struct vf { float32x4_t v; };
+inline vf vzero() { return {vdupq_n_f32(0.0f)}; }
+inline vf vset1(float a) { return {vdupq_n_f32(a)}; }
+inline vf vload(const float* p) { return {vld1q_f32(p)}; }
+inline vf vload(const float* p, int n) {
+  alignas(16) float t[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int i = 0; i < n && i < 4; ++i) t[i] = p[i];
+  return {vld1q_f32(t)};
+}
+inline vf widen_bf16(uint16x4_t h) { return {vreinterpretq_f32_u32(vshll_n_u16(h, 16))}; }
+inline vf vload_bf16(const uint16_t* p) { return widen_bf16(vld1_u16(p)); }
+inline vf vload_bf16(const uint16_t* p, int n) {
+  alignas(8) uint16_t t[4] = {0, 0, 0, 0};
+  for (int i = 0; i < n && i < 4; ++i) t[i] = p[i];
+  return widen_bf16(vld1_u16(t));
+}
+// f16 -> f32 (fcvtl) is exact, subnormals included (FPCR.FZ16 is clear on Linux).
+inline vf vload_f16(const uint16_t* p) { return {vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)))}; }
+inline vf vload_f16(const uint16_t* p, int n) {
+  alignas(8) uint16_t t[4] = {0, 0, 0, 0};
+  for (int i = 0; i < n && i < 4; ++i) t[i] = p[i];
+  return vload_f16(t);
+}
+inline void vstore(float* p, vf a) { vst1q_f32(p, a.v); }
+inline void vstore(float* p, vf a, int n) {
+  alignas(16) float t[4];
+  vst1q_f32(t, a.v);
+  for (int i = 0; i < n && i < 4; ++i) p[i] = t[i];
+}
+inline uint16x4_t narrow_bf16(vf a) {
+  const uint32x4_t u = vreinterpretq_u32_f32(a.v);
+  const uint32x4_t lsb = vandq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(1));
+#ifdef MOELAB_PLANT_NEON_NARROW
+  // Negative control (tests/test_aarch64.py): rounds ties away instead of to even.
+  const uint32x4_t r = vshrq_n_u32(vaddq_u32(u, vdupq_n_u32(0x8000)), 16);
+  (void)lsb;
+#else
+  const uint32x4_t r = vshrq_n_u32(vaddq_u32(vaddq_u32(u, vdupq_n_u32(0x7fff)), lsb), 16);
+#endif
+  const uint32x4_t q = vorrq_u32(vshrq_n_u32(u, 16), vdupq_n_u32(0x40));
+  const uint32x4_t num = vceqq_f32(a.v, a.v);   // all ones unless NaN
+  return vmovn_u32(vbslq_u32(num, r, q));
+}
+inline void vstore_bf16(uint16_t* p, vf a) { vst1_u16(p, narrow_bf16(a)); }
+inline void vstore_bf16(uint16_t* p, vf a, int n) {
+  alignas(8) uint16_t t[4];
+  vst1_u16(t, narrow_bf16(a));
+  for (int i = 0; i < n && i < 4; ++i) p[i] = t[i];
+}
+inline vf vadd(vf a, vf b) { return {vaddq_f32(a.v, b.v)}; }
+inline vf vmul(vf a, vf b) { return {vmulq_f32(a.v, b.v)}; }
+inline vf vfma(vf a, vf b, vf c) { return {vfmaq_f32(c.v, a.v, b.v)}; }
+// a > b ? a : b, so b when either is NaN (x86 maxps; NEON's fmax would return the NaN).
+inline vf vmax(vf a, vf b) { return {vbslq_f32(vcgtq_f32(a.v, b.v), a.v, b.v)}; }
+// (l0 + l2) + (l1 + l3): avx2's last two steps of its lane tree.
+inline float vsum(vf a) {
+  const float32x2_t s = vadd_f32(vget_low_f32(a.v), vget_high_f32(a.v));
+  return vget_lane_f32(s, 0) + vget_lane_f32(s, 1);
 }
 
 #else
