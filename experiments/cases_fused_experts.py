@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import optimized
-from optimized.tune import random_weights
+from optimized.tune.calibrate import random_weights
 
 from . import timing
 from .bench import Case

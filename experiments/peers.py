@@ -159,7 +159,7 @@ class FusedExpertsPeers:
         self._built: dict[str, object] = {}
 
     def _make(self, kind: str):
-        from optimized.tune import random_weights
+        from optimized.tune.calibrate import random_weights
         s = self.s
         E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
         seeds = iter(self.seeds)

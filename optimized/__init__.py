@@ -12,7 +12,7 @@ from . import _build
 
 _build.load()
 
-from . import dispatch  # noqa: E402
+from . import dispatch, tune  # noqa: E402
 from .dispatch import batch_invariant_mode, set_batch_invariant  # noqa: E402,F401
 from .router_gemm import router_gemm  # noqa: E402,F401
 from .route import route  # noqa: E402,F401
@@ -32,3 +32,4 @@ def backend_info() -> dict[str, str]:
 def set_isa(name: str) -> None:
     """Cap the CPU ISA level for this process: scalar, avx2, avx512 or avx512_bf16."""
     torch.ops.moelab.set_isa(name)
+    tune.level_changed()    # auto's crossovers are chosen per level

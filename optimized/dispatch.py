@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from . import gpu, pack_cache, tune
+
 _batch_invariant = False
 
 
@@ -78,7 +80,8 @@ def router_gemm_decision(x, weight) -> Decision:
 ROUTE_GRAIN_ELEMS = 16384
 
 
-def _has_kernel(op: str, device_type: str) -> bool:
+def has_kernel(op: str, device_type: str) -> bool:
+    """Whether the moelab op `op` has a kernel registered for a device type (cpu, cuda, meta)."""
     key = {"cpu": "CPU", "cuda": "CUDA", "meta": "Meta"}.get(device_type)
     return key is not None and torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
 
@@ -88,28 +91,13 @@ def route_decision(logits, top_k, method, **kwargs) -> Decision:
     if dev == "cuda":
         return gpu_decision("route", logits, top_k, method, **kwargs)
     if dev != "cpu":
-        if _has_kernel("moelab::route", dev):
+        if has_kernel("moelab::route", dev):
             return Decision("route", "moelab", f"the registered {dev} kernel of moelab::route")
         return Decision("route", "reference", f"no moelab route kernel for device {dev}")
     T, E = logits.shape
     grain = max(1, ROUTE_GRAIN_ELEMS // max(E, 1))
     tasks = "1 task (calling thread)" if T < grain else f"tasks of >= {grain} tokens"
     return Decision("route", "moelab", f"{method}, T = {T}, E = {E}, K = {top_k}: {tasks}")
-
-
-def route_fallback(logits, top_k, method, **kwargs):
-    """route off the CPU: the device's moelab::route kernel if one is registered (meta: shapes
-    only), else the reference (same results, reference speed)."""
-    if _has_kernel("moelab::route", logits.device.type):
-        eps = kwargs.get("norm_eps")
-        return torch.ops.moelab.route.default(logits, top_k, method, kwargs.get("bias"),
-                                              float(kwargs.get("scaling", 1.0)),
-                                              kwargs.get("renormalize"),
-                                              kwargs.get("n_group", 1), kwargs.get("topk_group", 1),
-                                              None if eps is None else float(eps))
-    from reference.route import route as reference_route
-    return reference_route(logits, top_k, method, **kwargs)
-
 
 
 # ---------------------------------------------------------- permute / unpermute
@@ -247,12 +235,10 @@ def _on_gpu(args) -> bool:
 
 
 def _gpu_platform() -> str:
-    import torch
     return "rocm" if getattr(torch.version, "hip", None) else "cuda"
 
 
 def _gpu_loaded() -> bool:
-    from . import gpu
     return gpu.available()
 
 
@@ -277,7 +263,6 @@ def _gpu_unquantized_gemm(x, weight, bias=None) -> Decision:
     if str(x.dtype) not in ("torch.bfloat16", "torch.float16", "torch.float32"):
         return Decision(op, "library", f"skinny_gemm does not take {x.dtype}: F.linear ({blas})")
     if T <= GPU_SKINNY_MAX_T:
-        from . import gpu
         kernel = gpu.skinny_kernel(x.dtype, T, x.shape[1])
         return Decision(op, "skinny", f"{platform}, T = {T} <= {GPU_SKINNY_MAX_T}: {kernel} ({GPU_MEASURED})")
     if _batch_invariant:
@@ -288,9 +273,8 @@ def _gpu_unquantized_gemm(x, weight, bias=None) -> Decision:
 
 def _gpu_route(logits, top_k, method=None, **kwargs) -> Decision:
     op = "route"
-    if not _gpu_loaded():   # route_fallback then runs the reference
+    if not _gpu_loaded():   # optimized.route then runs the reference
         return Decision(op, "reference", "moelab GPU extension not built: the reference implementation")
-    from . import gpu
     return Decision(op, "moelab", f"GPU kernel, E = {logits.shape[1]}, K = {top_k}: "
                                   f"{gpu.route_plan(logits.shape[1], top_k)}")
 
@@ -336,97 +320,87 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 #              tile of N may be narrower), so the width never forces a kernel, unlike vLLM's
 #              tinygemm/brgemm pair: the per-block choice reduces to m.
 #   auto:      per_block with m_cross (blocked iff m >= m_cross) calibrated on this machine by
-#              `python -m optimized.tune` (stored outside the repository, see tune_file()).
-#              Without a tune file: FUSED_EXPERTS_DEFAULT_M_CROSS, what `optimized.tune
-#              --clock cpu` measured on the development machine (AMD EPYC Zen 5, cold
-#              weights; tiny/blocked ms at m = 1, 4, 5, 8, 16):
+#              `python -m optimized.tune` (stored outside the repository, see
+#              optimized.tune.tune_file()), per ISA level and thread count: the kernels of
+#              each level are different code, so a crossover is only used at the level it
+#              was measured at. Without a tune entry for the level: the level's row of
+#              FUSED_EXPERTS_DEFAULT_M_CROSS; a level with no row (nothing measured there)
+#              takes per_block's m > 4.
+#   The avx512_bf16 row: what `optimized.tune --clock cpu` measured on the development
+#              machine (AMD EPYC Zen 5, cold weights; tiny/blocked ms at m = 1, 4, 5, 8, 16):
 #                fp8   0.25/0.26 0.29/0.28 0.42/0.30 0.47/0.36 0.89/0.50  -> 4-5 (tiny decodes
 #                      the tile again for every 4 rows; equal below: memory-bound)
 #                mxfp4 0.58/1.22 0.71/1.08 1.06/1.12 1.33/1.47 2.49/2.21  -> 10 (9 instructions
 #                      per 64 weights: re-decoding is cheaper than the buffer round trip)
 #                bf16  0.51/0.43 0.52/0.45 0.54/0.48 0.57/0.52 0.76/0.71  -> 1 (blocked reads
 #                      the packed weights directly; its 6-row kernel wins at every m)
+#   The avx2 and avx512 rows: an Intel Xeon with AVX-512 BF16 capped to the level, a proxy for
+#              a CPU without AVX-512 (or without BF16): the same instructions on another core.
+#              `MOELAB_ISA=avx2 python -m optimized.tune --clock cpu` (and MOELAB_ISA=avx512),
+#              3 runs each, all three giving the same crossovers; avx2, tiny/blocked ms at
+#              m = 1, 4, 5, 8, 16:
+#                fp8   0.80/0.77 1.75/1.81 2.57/1.91 3.15/2.56  6.35/4.40  -> 5
+#                mxfp4 2.29/3.53 4.37/6.29 6.59/6.68 8.50/10.21 16.63/15.94 -> 10 (the two within
+#                      4% of each other from m = 5 to 16)
+#                bf16  1.24/1.28 1.50/1.80 1.52/1.98 2.20/2.05  3.99/3.64  -> 7 (blocked does
+#                      not win at every m here as it does at avx512_bf16)
+#              Wall-clock runs at avx2 (`--threads 1` and `--threads 2`, 6 each) on the shared
+#              2-core machine disagree widely at 2 threads (fp8 4..24, mxfp4 10..48, bf16 6..49:
+#              one expert block is a short parallel region that other processes' scheduling
+#              dominates) and give medians 5 / 16 / 7.5 at 1 thread, where mxfp4 sits in the
+#              4% band above; so each level has one row, from the CPU-time runs.
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
-FUSED_EXPERTS_DEFAULT_M_CROSS = {"bf16": 1, "fp8_block": 5, "mxfp4": 10}
+FUSED_EXPERTS_DEFAULT_M_CROSS = {
+    "avx512_bf16": {"bf16": 1, "fp8_block": 5, "mxfp4": 10},
+    "avx512": {"bf16": 7, "fp8_block": 5, "mxfp4": 5},
+    "avx2": {"bf16": 7, "fp8_block": 5, "mxfp4": 10},
+}
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
-_tuned: dict = {}
-_tuned_src = "default (no tune file)"
+_PER_BLOCK_M_CROSS = FUSED_EXPERTS_GLOBAL_MAX_TINY_M + 1
 
 
-def _machine_slug() -> str:
-    model = "unknown-cpu"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    slug = "".join(c if c.isalnum() else "-" for c in model.lower()).strip("-")
-    while "--" in slug:
-        slug = slug.replace("--", "-")
-    import os
-    return f"{slug[:40]}-{os.cpu_count()}cpu"
+def default_m_cross(level: str, quant: str) -> tuple[int, str]:
+    """auto's m_cross for a weight format at an ISA level with no tune entry, and its source."""
+    table = FUSED_EXPERTS_DEFAULT_M_CROSS.get(level)
+    if table is None:
+        return (_PER_BLOCK_M_CROSS, f"default: nothing measured at level {level}, per_block's "
+                                    f"m > {FUSED_EXPERTS_GLOBAL_MAX_TINY_M}")
+    return table[quant], f"default for level {level}"
 
 
-def tune_file():
-    """Where `python -m optimized.tune` stores this machine's crossovers:
-    $MOELAB_CACHE_DIR (default ~/.cache/moelab)/tune-<cpu>.json."""
-    import os
-    from pathlib import Path
-    root = os.environ.get("MOELAB_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "moelab")
-    return Path(root) / f"tune-{_machine_slug()}.json"
+def _m_cross(level: str, threads: int, quant: str) -> tuple[int, str]:
+    tuned, src = tune.entry("fused_experts", level, threads)
+    if quant in tuned:
+        return tuned[quant], src
+    m, default = default_m_cross(level, quant)
+    return m, f"{default} ({f'the tune entry has no {quant}' if tuned else src})"
 
 
-def _read_tuning() -> tuple[dict, str]:
-    """m_cross per format from the tune file, for this process's torch thread count.
+_m_cross_memo: dict = {"generation": -1}   # (level, threads, quant) -> answer, per tune.generation
 
-    The file keeps one entry per way it was measured: "threads=N" (wall clock on N threads)
-    and "cpu" (one thread's CPU time, which does not depend on the thread count). The entry
-    for the current torch.get_num_threads() wins, then "cpu", then the entry measured on the
-    nearest thread count (the reason says which). A file of the first format (one
-    "m_cross" table, no keys) counts as measured on its "threads"."""
-    import json
 
-    import torch
-    try:
-        path = tune_file()
-        data = json.loads(path.read_text()).get("fused_experts", {})
-    except (OSError, ValueError, AttributeError):
-        return {}, "default (no tune file)"
-    entries = dict(data.get("by_clock", {})) if isinstance(data.get("by_clock"), dict) else {}
-    if not entries and isinstance(data.get("m_cross"), dict):
-        entries = {f"threads={data.get('threads', 1)}" if data.get("clock", "wall") == "wall" else "cpu": data}
-    n = torch.get_num_threads()
-
-    def threads_of(key: str) -> int:
-        return int(key.split("=", 1)[1]) if key.startswith("threads=") and key[8:].isdigit() else 1 << 30
-
-    keys = [k for k in entries if isinstance(entries[k], dict) and isinstance(entries[k].get("m_cross"), dict)]
-    if not keys:
-        return {}, "default (no usable entry in the tune file)"
-    key = (f"threads={n}" if f"threads={n}" in keys else "cpu" if "cpu" in keys
-           else min(keys, key=lambda k: abs(threads_of(k) - n)))
-    tuned = {q: v for q, v in entries[key]["m_cross"].items() if isinstance(v, int) and 1 <= v <= 1 << 20}
-    how = "one thread's CPU time" if key == "cpu" else f"{threads_of(key)} threads"
-    note = "" if key in (f"threads={n}", "cpu") else f", this process has {n}"
-    return tuned, f"tuned ({path.name}, {how}{note})"
+@torch._dynamo.assume_constant_result
+def fused_experts_m_cross(quant: str) -> tuple[int, str]:
+    """(m_cross, where it came from) of policy `auto` for a weight format, at the ISA level the
+    kernels run at now and this process's torch thread count: the tune file's entry for that
+    level (optimized.tune.entry; read on the first call), else the level's default. Answers
+    are kept (a decode call cannot afford to rebuild them) until optimized.tune says they may
+    have changed. Under torch.compile the call runs once while tracing and its answer is a
+    constant of the graph (so the file is never read inside a compiled region)."""
+    key = (tune.active_level(), torch.get_num_threads(), quant)
+    memo = _m_cross_memo
+    if memo["generation"] != tune.generation:
+        memo.clear()
+        memo["generation"] = tune.generation
+    got = memo.get(key)
+    if got is None:
+        got = memo[key] = _m_cross(*key)
+    return got
 
 
 def reload_tuning() -> None:
-    """Re-read the tune file (after `python -m optimized.tune` wrote a new one, or after
-    torch.set_num_threads: the entry is chosen by thread count). It is read once at import,
-    never inside a call, so torch.compile can trace fused_experts."""
-    global _tuned, _tuned_src
-    _tuned, _tuned_src = _read_tuning()
-
-
-def fused_experts_m_cross(quant: str) -> tuple[int, str]:
-    """(m_cross, where it came from) of policy `auto` for a weight format."""
-    if quant in _tuned:
-        return _tuned[quant], _tuned_src
-    return FUSED_EXPERTS_DEFAULT_M_CROSS[quant], "default (no tune file)"
+    """Read the tune file again on the next decision (optimized.tune.reload)."""
+    tune.reload()
 
 
 def fused_experts_plan(T: int, K: int, E: int, quant: str, dispatch: str) -> tuple[int, int, str]:
@@ -475,7 +449,6 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
     how the call gets its packed weights: prepacked, the pack cache (how many experts it would
     pack now; 0 = reuses the cache) or the unpacked path. Reads topk_ids (the block sizes);
     the call itself does not. Packs and allocates nothing."""
-    import torch
     T, K = topk_ids.shape
     E = w13.E if hasattr(w13, "E") else w13.shape[0]
     code, m_cross, reason = fused_experts_plan(T, K, E, quant, dispatch)
@@ -495,7 +468,6 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
     elif ids.numel() == 0:
         packing, packs, why = "unpacked", -1, "no rows: nothing runs"
     else:
-        from . import pack_cache
         why, packs = pack_cache.explain(w13, w2, w13_scale, w2_scale, quant, topk_ids)
         packing = "unpacked" if packs < 0 else "cached"
     return FusedExpertsDecision("fused_experts", kernel, reason, policy=dispatch, m_cross=m_cross,
@@ -504,9 +476,6 @@ def fused_experts_decision(x, w13, w2, topk_weights, topk_ids, *, quant, dispatc
 
 
 _EXPLAINERS["fused_experts"] = fused_experts_decision
-
-
-reload_tuning()
 
 
 # ------------------------------------------------------------ fused_experts on the GPU

@@ -38,6 +38,7 @@ from typing import Optional
 
 import torch
 
+from reference.fused_experts import fused_experts as reference_fused_experts
 from reference.validate import (ACTIVATIONS, DISPATCH_POLICIES, MX_BLOCK, QUANT_FORMATS, check_choice,
                                 check_expert_weights, check_float, check_fused_experts, check_ids, check_tensor,
                                 fail)
@@ -281,7 +282,6 @@ def _launch(rows, y_init, x, w13, w2, topk_weights, topk_ids, quant, w13_scale, 
         if rows and x.device.type != "cpu":
             fail("fused_experts_rows", "x", f"must be a CPU tensor, got {x.device}")
         if x.device.type == "cuda" and not gpu.available():   # no GPU extension: the reference
-            from reference.fused_experts import fused_experts as reference_fused_experts
             return reference_fused_experts(x, w13, w2, topk_weights, topk_ids, quant=quant, w13_scale=w13_scale,
                                            w2_scale=w2_scale, w13_bias=w13_bias, w2_bias=w2_bias,
                                            activation=activation, alpha=alpha, limit=limit, dispatch=dispatch,

@@ -181,11 +181,10 @@ def _evict_to(cap: int, incoming: int) -> None:
 
 def _layout(w13, w2, w13_scale, w2_scale, quant) -> list:
     """[(shape, dtype) or None] of p13, q13, f13, p2, q2, f2: prepack_moe_weights' buffers
-    (from its fake kernel, on meta tensors: nothing allocated)."""
-    from .fused_experts import _prepack_fake
+    (the op called on meta tensors runs its fake kernel: nothing allocated)."""
     out = []
     for w, s in ((w13, w13_scale), (w2, w2_scale)):
-        p, q, f = _prepack_fake(w.to("meta"), None if s is None else s.to("meta"), quant)
+        p, q, f = torch.ops.moelab.prepack_moe_weight(w.to("meta"), None if s is None else s.to("meta"), quant)
         out += [(p.shape, p.dtype), None if quant == "bf16" else (q.shape, q.dtype), (f.shape, f.dtype)]
     return out
 

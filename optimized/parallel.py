@@ -59,12 +59,16 @@ import datetime
 import os
 import tempfile
 import time
+import traceback
 from typing import Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
-from reference.moe import SharedExpert
+import optimized
+from reference.moe import SharedExpert, _shared_weights, moe_forward
+from reference.quant import round_to_bf16
 from reference.validate import fail
 
 __all__ = ["MoELayerSpec", "ParallelMoE", "tp_slices", "slice_block", "contiguous_owner", "round_robin_owner",
@@ -137,8 +141,6 @@ def single_process_forward(x: torch.Tensor, spec: MoELayerSpec, routing=None) ->
     """The truth the parallel layer is held to: moe_forward with the optimized ops, one process.
     routing (weights [T, K] f32, ids [T, K] int32, -1 = dropped slot): skip the router and use
     these (fused_experts' own topk arguments), then the shared expert as moe_forward adds it."""
-    import optimized
-    from reference.moe import moe_forward
     kw = spec.forward_kwargs()
     if routing is None:
         return moe_forward(x, kw.pop("router_weight"), kw.pop("w13"), kw.pop("w2"), ops=optimized, **kw)
@@ -152,9 +154,6 @@ def single_process_forward(x: torch.Tensor, spec: MoELayerSpec, routing=None) ->
 
 def _add_shared(x: torch.Tensor, routed: torch.Tensor, spec: MoELayerSpec) -> torch.Tensor:
     """moe_forward's tail: bf16(routed + shared expert(x)), or routed without one."""
-    import optimized
-    from reference.moe import _shared_weights
-    from reference.quant import round_to_bf16
     s = spec.shared
     if s is None:
         return routed
@@ -461,7 +460,6 @@ class ParallelMoE:
         False: independent TP partials added on the home rank (within the tolerance).
         routing: (weights [T, K] f32, ids [T, K] int32) instead of the router (as
         single_process_forward takes it)."""
-        import optimized
         if exact is None:
             exact = optimized.dispatch.batch_invariant()
         spec = self.spec
@@ -579,7 +577,6 @@ class ParallelMoE:
         N, K, H = xr.shape[0], ir.shape[1], xr.shape[1]
         if N == 0 or sh.width == 0 or sh.w13 is None:
             return y_init if y_init is not None else torch.zeros(N * K, H, dtype=torch.float32)
-        import optimized
         return optimized.fused_experts_rows(
             xr, sh.w13, sh.w2, wr, ir, quant=sh.quant, w13_scale=sh.w13_scale, w2_scale=sh.w2_scale,
             w13_bias=sh.w13_bias, w2_bias=sh.w2_bias, activation=spec.activation, alpha=spec.alpha,
@@ -601,7 +598,6 @@ def _worker(rank: int, world: int, init: str, timeout_s: float, fn: Callable, ar
     try:
         fn(rank, world, *args)
     except BaseException:
-        import traceback
         with open(os.path.join(errdir, f"rank{rank}.err"), "w") as f:   # when, then what: spawn picks the first
             f.write(f"{time.time():.6f}\n{traceback.format_exc()}")
         raise
@@ -617,7 +613,6 @@ def spawn(fn: Callable, world: int, *args, timeout_s: float = 60.0) -> None:
     (torchrun --standalone --nproc-per-node N does the same for a script: docs/parallel.md.)
     Raises ParallelError with the traceback of the rank that failed FIRST (the others then fail
     in a collective with a connection error, which would hide the cause)."""
-    import torch.multiprocessing as mp
     with tempfile.TemporaryDirectory(prefix="moelab-pg-") as d:
         init = "file://" + os.path.join(d, "rendezvous")
         try:

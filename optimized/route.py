@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from reference.route import route as reference_route
 from reference.validate import RENORMALIZE_DEFAULT, check_route
 
 from . import _fake, dispatch
@@ -51,7 +52,7 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
     """Same contract as reference.route: (weights [T, K] f32, ids [T, K] int32).
 
     Validation gives reference.validate.check_route's errors (ValueError naming the argument).
-    CPU tensors run the moelab kernel; other devices take dispatch.route_fallback. Logits with
+    CPU tensors run the moelab kernel; other devices take route_off_cpu. Logits with
     a row stride (a column slice of a wider matrix) are read in place; a non-unit stride
     along E, or a strided bias, is copied first.
 
@@ -63,9 +64,8 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
     """
     if not (isinstance(logits, torch.Tensor) and logits.is_cpu):
         check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
-        return dispatch.route_fallback(logits, top_k, method, bias=bias, n_group=n_group,
-                                       topk_group=topk_group, scaling=scaling, renormalize=renormalize,
-                                       norm_eps=norm_eps)
+        return route_off_cpu(logits, top_k, method, bias=bias, n_group=n_group, topk_group=topk_group,
+                             scaling=scaling, renormalize=renormalize, norm_eps=norm_eps)
     # The schema converts what check_route refuses (a bool top_k, an int renormalize, a numeric
     # string scaling), so only plainly typed scalars skip the Python checks.
     if not (type(top_k) is int and type(n_group) is int and type(topk_group) is int
@@ -77,6 +77,18 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
     except (RuntimeError, TypeError, ValueError):
         check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
         raise   # check_route accepts what the op refused: the op's own error says why
+
+
+def route_off_cpu(logits, top_k, method, **kwargs):
+    """route off the CPU (arguments checked): the device's moelab::route kernel if one is
+    registered (meta: shapes only), else the reference (same results, reference speed), as
+    dispatch.route_decision says."""
+    if dispatch.has_kernel("moelab::route", logits.device.type):
+        eps = kwargs.get("norm_eps")
+        return _op(logits, top_k, method, kwargs.get("bias"), float(kwargs.get("scaling", 1.0)),
+                   kwargs.get("renormalize"), kwargs.get("n_group", 1), kwargs.get("topk_group", 1),
+                   None if eps is None else float(eps))
+    return reference_route(logits, top_k, method, **kwargs)
 
 
 _NUM = (float, int)

@@ -198,7 +198,7 @@ def test_real_peers_compute_the_same_layer(name, monkeypatch):
     import torch
     from experiments import peers
     from experiments.cases_fused_experts import SHAPES, routing
-    from optimized.tune import random_weights
+    from optimized.tune.calibrate import random_weights
     import optimized
     if isinstance(peers.vllm(), str):
         pytest.skip(peers.vllm())

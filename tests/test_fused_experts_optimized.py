@@ -38,7 +38,7 @@ from hypothesis import given, settings, strategies as st
 
 import optimized
 import reference
-from optimized import dispatch
+from optimized import dispatch, tune
 from tests import levels
 from reference.quant import dequantize_expert_weights, quantize_fp8_block, quantize_mxfp4, round_to_bf16
 
@@ -927,9 +927,25 @@ def test_opcheck():
 
 
 # ------------------------------------------------------------------------ dispatch
-def test_explain_counts(tmp_path, monkeypatch):
+def _write_tune(entries_by_level: dict) -> None:
+    """A tune file in the current layout: {level: {"threads=N" | "cpu": {"m_cross": {...}}}}."""
+    tune.tune_file().parent.mkdir(parents=True, exist_ok=True)
+    tune.tune_file().write_text(json.dumps({"fused_experts": {"by_level": entries_by_level}}))
+    tune.reload()
+
+
+@pytest.fixture
+def tune_dir(tmp_path, monkeypatch):
+    """A tune file location of the test's own (none there yet); the process's file is read
+    again afterwards."""
     monkeypatch.setenv("MOELAB_CACHE_DIR", str(tmp_path))
-    dispatch.reload_tuning()
+    tune.reload()
+    yield tmp_path
+    monkeypatch.delenv("MOELAB_CACHE_DIR")
+    tune.reload()
+
+
+def test_explain_counts(tune_dir):
     E, K, T = 8, 2, 12
     x, w13, w2, tw, ids, kw = make_case("bf16", "silu", E, 64, 32, T, K, seed=0)
     ids = torch.full((T, K), -1, dtype=torch.int32)
@@ -942,56 +958,127 @@ def test_explain_counts(tmp_path, monkeypatch):
     assert ex("blocked").counts == {"tiny": 0, "blocked": 3}
     d = ex("global")         # avg_m = 24 // 8 = 3 <= 4: tiny everywhere
     assert d.counts == {"tiny": 3, "blocked": 0} and "avg_m" in d.reason
-    assert "default" in ex("auto").reason
+    level = optimized.backend_info()["active"]
+    assert "default" in ex("auto").reason and "no tune file" in ex("auto").reason
     pw = optimized.prepack_moe_weights(w13, w2, "bf16")
     assert dispatch.explain("fused_experts", x, pw, None, tw, ids, quant="bf16", dispatch="per_block").counts["blocked"] == 1
-    assert ex("auto").m_cross == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["bf16"]
-    # a tune file changes auto's crossover
-    dispatch.tune_file().parent.mkdir(parents=True, exist_ok=True)
-    dispatch.tune_file().write_text(json.dumps({"fused_experts": {"m_cross": {"bf16": 2}}}))
-    dispatch.reload_tuning()
-    try:
-        d = ex("auto")
-        assert d.counts == {"tiny": 1, "blocked": 2} and "tuned" in d.reason and d.m_cross == 2
-        out = optimized.fused_experts(x, w13, w2, tw, ids, **kw)
-        assert torch.equal(bits(out), bits(optimized.fused_experts(x, w13, w2, tw, ids, dispatch="tiny", **kw)))
-    finally:
-        dispatch.reload_tuning()
+    assert ex("auto").m_cross == dispatch.default_m_cross(level, "bf16")[0]
+    # a tune entry of this level changes auto's crossover
+    _write_tune({level: {f"threads={torch.get_num_threads()}": {"m_cross": {"bf16": 2}}}})
+    d = ex("auto")
+    assert d.counts == {"tiny": 1, "blocked": 2} and f"tuned at {level}" in d.reason and d.m_cross == 2
+    out = optimized.fused_experts(x, w13, w2, tw, ids, **kw)
+    assert torch.equal(bits(out), bits(optimized.fused_experts(x, w13, w2, tw, ids, dispatch="tiny", **kw)))
 
 
-def test_tune_file_entry_follows_the_thread_count(tmp_path, monkeypatch):
+def test_tune_file_entry_follows_the_thread_count(tune_dir):
     """One tune entry per way of measuring; auto takes the one of the current thread count,
-    then the CPU-time one, then the nearest thread count (and says so)."""
-    monkeypatch.setenv("MOELAB_CACHE_DIR", str(tmp_path))
+    then the CPU-time one, then the nearest thread count (and says so). A change of the thread
+    count is seen without a reload."""
     threads = torch.get_num_threads()
+    level = optimized.backend_info()["active"]
     entries = {"threads=1": {"m_cross": {"bf16": 3}}, "threads=2": {"m_cross": {"bf16": 2}}, "cpu": {"m_cross": {"bf16": 7}}}
 
     def m_for(n, ent):
-        dispatch.tune_file().parent.mkdir(parents=True, exist_ok=True)
-        dispatch.tune_file().write_text(json.dumps({"fused_experts": {"by_clock": ent}}))
+        _write_tune({level: ent})
         torch.set_num_threads(n)
-        dispatch.reload_tuning()
         return dispatch.fused_experts_m_cross("bf16")
 
     try:
         assert m_for(2, entries)[0] == 2 and "2 threads" in m_for(2, entries)[1]
         assert m_for(1, entries)[0] == 3
+        torch.set_num_threads(2)                     # no reload: the entry follows the count
+        assert dispatch.fused_experts_m_cross("bf16")[0] == 2
         assert m_for(3, entries) == (7, m_for(3, entries)[1]) and "CPU time" in m_for(3, entries)[1]
         no_cpu = {k: v for k, v in entries.items() if k != "cpu"}
         m, why = m_for(3, no_cpu)
         assert m == 2 and "this process has 3" in why
-        assert m_for(2, {})[0] == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["bf16"]
+        assert m_for(2, {})[0] == dispatch.default_m_cross(level, "bf16")[0]
     finally:
         torch.set_num_threads(threads)
-        monkeypatch.delenv("MOELAB_CACHE_DIR")
-        dispatch.reload_tuning()
+
+
+def test_tune_entry_is_used_only_at_its_isa_level(tune_dir):
+    """A crossover measured at avx512_bf16 is not used when the kernels are capped to avx2: the
+    avx2 level's own defaults are (explain says which); at avx512_bf16 the entry is used."""
+    levels.require("avx2")
+    threads = f"threads={torch.get_num_threads()}"
+    _write_tune({"avx512_bf16": {threads: {"m_cross": {"bf16": 17, "fp8_block": 17, "mxfp4": 17}}, "cpu": {"m_cross": {"bf16": 17}}}})
+    with levels.capped("avx2"):
+        for q in ("bf16", "fp8_block", "mxfp4"):
+            m, src = dispatch.fused_experts_m_cross(q)
+            assert (m, src.split(" (")[0]) == (dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["avx2"][q], "default for level avx2")
+            assert "no fused_experts entry measured at level avx2" in src, src
+        plan = dispatch.fused_experts_plan(4, 2, 8, "mxfp4", "auto")
+        assert plan[1] == dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["avx2"]["mxfp4"] and "avx2" in plan[2]
+    if levels.available("avx512_bf16"):
+        with levels.capped("avx512_bf16"):
+            assert dispatch.fused_experts_m_cross("mxfp4") == (17, dispatch.fused_experts_m_cross("mxfp4")[1])
+            assert "tuned at avx512_bf16" in dispatch.fused_experts_m_cross("mxfp4")[1]
+
+
+def test_untuned_avx2_gets_the_avx2_defaults(tune_dir):
+    """No tune file: auto at the avx2 level takes the crossovers measured at avx2, not the
+    AVX-512 BF16 ones; a level nothing was measured at takes per_block's m > 4."""
+    levels.require("avx2")
+    avx2 = dispatch.FUSED_EXPERTS_DEFAULT_M_CROSS["avx2"]
+    assert set(avx2) == {"bf16", "fp8_block", "mxfp4"}
+    with levels.capped("avx2"):
+        for q, m in avx2.items():
+            assert dispatch.fused_experts_m_cross(q) == (m, "default for level avx2 (no tune file)")
+    assert dispatch.default_m_cross("no_such_level", "bf16") == (
+        dispatch.FUSED_EXPERTS_GLOBAL_MAX_TINY_M + 1, "default: nothing measured at level no_such_level, per_block's m > 4")
+
+
+def test_tune_file_without_levels_or_malformed_is_not_used(tune_dir):
+    """Entries of the layouts that did not record the ISA level, and a file that is not JSON,
+    give the level's defaults and say why."""
+    level = optimized.backend_info()["active"]
+    default = dispatch.default_m_cross(level, "bf16")[0]
+    for old in ({"fused_experts": {"m_cross": {"bf16": 2}}},
+                {"fused_experts": {"by_clock": {f"threads={torch.get_num_threads()}": {"m_cross": {"bf16": 2}}}}}):
+        tune.tune_file().write_text(json.dumps(old))
+        tune.reload()
+        m, src = dispatch.fused_experts_m_cross("bf16")
+        assert m == default and f"no fused_experts entry measured at level {level}" in src, src
+    tune.tune_file().write_text("{not json")
+    tune.reload()
+    m, src = dispatch.fused_experts_m_cross("bf16")
+    assert m == default and "unreadable" in src, src
+
+
+def test_tune_store_keeps_other_levels_and_formats(tune_dir):
+    """A tune run writes its level's entry and keeps every other one (and, in its own entry,
+    the formats it did not measure)."""
+    tune.store("fused_experts", "avx2", "threads=1", {"m_cross": {"bf16": 3, "mxfp4": 9}})
+    tune.store("fused_experts", "avx512_bf16", "threads=1", {"m_cross": {"bf16": 4}})
+    tune.store("fused_experts", "avx2", "threads=1", {"m_cross": {"bf16": 6}, "threads": 1})
+    data = json.loads(tune.tune_file().read_text())["fused_experts"]["by_level"]
+    assert data["avx2"]["threads=1"]["m_cross"] == {"bf16": 6, "mxfp4": 9}
+    assert data["avx512_bf16"]["threads=1"]["m_cross"] == {"bf16": 4}
+    assert tune.entry("fused_experts", "avx2", 1)[0] == {"bf16": 6, "mxfp4": 9}
+
+
+def test_compiled_call_reads_the_tune_file_while_tracing(tune_dir):
+    """torch.compile(fullgraph=True) of a call whose crossover was never looked up: the lookup
+    (and the file read) runs once while tracing, not as a graph break."""
+    level = optimized.backend_info()["active"]
+    _write_tune({level: {"cpu": {"m_cross": {"mxfp4": 2}}}})
+    assert tune._file is None
+    x, w13, w2, tw, ids, kw = make_case("mxfp4", "swiglu_oai", 4, 64, 32, 5, 2, seed=3)
+    pw = optimized.prepack_moe_weights(w13, w2, "mxfp4", kw["w13_scale"], kw["w2_scale"])
+    kp = {k: v for k, v in kw.items() if k not in ("w13_scale", "w2_scale")}
+    compiled = torch.compile(lambda a, b, c: optimized.fused_experts(a, pw, None, b, c, **kp), fullgraph=True)
+    got = compiled(x, tw, ids)
+    assert tune._file is not None and tune._file[0]
+    assert torch.equal(bits(got), bits(optimized.fused_experts(x, pw, None, tw, ids, dispatch="tiny", **kp)))
 
 
 def test_tune_crossover_judges_by_the_paired_ratio():
     """The crossover is the smallest m from which blocked wins at every larger m, judged by the
     median paired ratio tiny / blocked where measure gives one, not by the two minima (which
     can come from different rounds); without a ratio, by the times; never crossed: max m + 1."""
-    from optimized import tune
+    from optimized.tune import calibrate as tune
     # m=4: blocked's minimum is lower, but in the paired rounds tiny wins (ratio < 1)
     meas = {1: (1.0, 2.0, 0.5), 2: (1.0, 1.1, 0.9), 4: (1.0, 0.9, 0.95), 8: (2.0, 1.0, 1.8), 16: (4.0, 1.0, 3.5)}
     assert tune.crossover(meas) == 8

@@ -14,7 +14,7 @@ import torch
 import optimized
 from experiments import timing
 from optimized import pack_cache
-from optimized.tune import random_weights
+from optimized.tune.calibrate import random_weights
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 pytestmark = pytest.mark.skipif(

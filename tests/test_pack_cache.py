@@ -19,7 +19,7 @@ import torch
 
 import optimized
 from optimized import dispatch, pack_cache
-from optimized.tune import random_weights
+from optimized.tune.calibrate import random_weights
 
 QUANTS = ["bf16", "fp8_block", "mxfp4"]
 ACTS = ["silu", "swiglu_oai"]

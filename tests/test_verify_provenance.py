@@ -124,20 +124,21 @@ def test_same_staging_with_the_kernels_loaded_is_verified(fake_cuda):
 
 
 def test_a_fallback_inside_the_op_is_caught_whatever_the_dispatcher_says(fake_cuda):
-    """route on CUDA without the extension: optimized.route calls dispatch.route_fallback, which
-    runs the reference when no moelab::route kernel is registered for the device. Nothing in
-    the comparison records a dispatch path for route, so only what ran can tell."""
+    """route on CUDA without the extension: optimized.route calls route_off_cpu, which runs the
+    reference when no moelab::route kernel is registered for the device. Nothing in the
+    comparison records a dispatch path for route, so only what ran can tell."""
     from optimized import dispatch
+    from optimized.route import route_off_cpu
     fake_cuda(gpu_loaded=False)
     ns = types.SimpleNamespace(**{k: getattr(OPTIMIZED, k) for k in dir(OPTIMIZED) if not k.startswith("__")})
-    ns.route = lambda logits, top_k, method, **kw: dispatch.route_fallback(logits, top_k, method, **kw)
-    has_kernel = dispatch._has_kernel
+    ns.route = lambda logits, top_k, method, **kw: route_off_cpu(logits, top_k, method, **kw)
+    has_kernel = dispatch.has_kernel
     try:
-        dispatch._has_kernel = lambda op, dev: False
+        dispatch.has_kernel = lambda op, dev: False
         res = runner.run(["route"], ["cuda"], ["uniform"], 3.0, seed=1, corpus=None, progress=False, bad_random=2,
                          ops=ns)
     finally:
-        dispatch._has_kernel = has_kernel
+        dispatch.has_kernel = has_kernel
     (cell,) = res.cells
     assert cell.cases >= 1 and not res.failures and cell.not_verified and not res.ok
     # control: the real optimized.route (its CPU kernel standing in for the device's) is verified

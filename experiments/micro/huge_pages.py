@@ -13,7 +13,7 @@ import torch
 
 import optimized
 from optimized.fused_experts import PackedMoEWeights
-from optimized.tune import random_weights
+from optimized.tune.calibrate import random_weights
 
 from .. import timing
 from ..cases_fused_experts import SHAPES, routing

@@ -27,7 +27,7 @@ from IPython.display import display
 import optimized
 from experiments import cases_fused_experts as cf
 from experiments import nb, timing
-from optimized import tune
+from optimized.tune import calibrate as tune
 
 NAME = "000_cpu_moe_dispatch"
 stamp = nb.setup(NAME)

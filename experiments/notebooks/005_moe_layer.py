@@ -35,7 +35,7 @@ from IPython.display import display
 import optimized
 from experiments import nb, timing
 from experiments.cases_fused_experts import eager_moe
-from optimized.tune import random_weights
+from optimized.tune.calibrate import random_weights
 from reference.moe import moe_forward
 from reference.quant import dequantize_expert_weights
 

@@ -12,19 +12,24 @@ share the machine's state: a drift of the host's bandwidth between rounds moves 
 the minimum of each kernel over all rounds could take the two from different moments and
 flip a close point); `auto` then takes blocked for a block of m rows iff m >= m_cross.
 
-The result goes to optimized.dispatch.tune_file() (~/.cache/moelab/tune-<cpu>.json, or
+The result goes to optimized.tune.tune_file() (~/.cache/moelab/tune-<cpu>.json, or
 $MOELAB_CACHE_DIR), outside the repository: it describes this machine, not the code. The file
-keeps one entry per way of measuring ("threads=N" for the wall clock on N threads, "cpu" for
---clock cpu); `auto` uses the entry of the process's torch thread count (dispatch._read_tuning).
+keeps one entry per ISA level the run's kernels ran at (MOELAB_ISA=avx2 caps it: the run is
+then filed under avx2) and per way of measuring ("threads=N" for the wall clock on N threads,
+"cpu" for --clock cpu); `auto` uses the entry of the process's level and torch thread count
+(optimized.tune.entry).
 """
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import sys
 import time
 
 import torch
+
+from .. import tune
+from ..fused_experts import fused_experts, prepack_moe_weights
 
 SHAPES = {  # quant: (H, I, activation, biases)
     "fp8_block": (2048, 768, "silu", False),
@@ -75,15 +80,12 @@ def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, 
     tiny / blocked of the same round (> 1: blocked faster), which `crossover` judges by.
     cpu_clock: time with the calling thread's CPU clock (run with one thread): immune to the
     scheduling delays that dominate wall times of short parallel regions on a busy machine."""
-    import statistics
-
-    import optimized
     H, I, act, biased = SHAPES[quant]
     w13, w2, s13, s2 = random_weights(quant, 1, H, I)
     per_expert = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
     E = max(2, min(128, -(-cold_bytes // per_expert)))
     w13, w2, s13, s2 = random_weights(quant, E, H, I)
-    pw = optimized.prepack_moe_weights(w13, w2, quant, s13, s2)
+    pw = prepack_moe_weights(w13, w2, quant, s13, s2)
     del w13, w2
     g = torch.Generator().manual_seed(1)
     b13 = torch.randn(E, 2 * I, generator=g) if biased else None
@@ -98,8 +100,8 @@ def measure(quant: str, m_grid=M_GRID, rounds: int = 5, min_time: float = 0.03, 
         def call(policy):
             state["e"] = (state["e"] + 1) % E          # a different (cold) expert every call
             ids = torch.full((m, 1), state["e"], dtype=torch.int32)
-            optimized.fused_experts(x, pw, None, tw, ids, quant=quant, w13_bias=b13, w2_bias=b2,
-                                    activation=act, dispatch=policy)
+            fused_experts(x, pw, None, tw, ids, quant=quant, w13_bias=b13, w2_bias=b2,
+                          activation=act, dispatch=policy)
 
         call("tiny"), call("blocked")
         times = {"tiny": [], "blocked": []}
@@ -135,16 +137,16 @@ def main(argv=None) -> int:
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
                    help="wall: wall clock on --threads threads; cpu: one thread's CPU time (busy machines)")
     a = p.parse_args(argv)
-    from . import dispatch
-    path = dispatch.tune_file()
+    path = tune.tune_file()
     if a.print:
         print(path)
         print(path.read_text() if path.exists() else "(none)")
         return 0
     torch.set_num_threads(1 if a.clock == "cpu" else a.threads)
+    level = tune.active_level()
     grid = (1, 2, 4, 6, 8, 16) if a.quick else M_GRID
-    result = {"threads": 1 if a.clock == "cpu" else a.threads, "clock": a.clock, "torch": torch.__version__,
-              "m_cross": {}, "seconds": {}}
+    result = {"threads": 1 if a.clock == "cpu" else a.threads, "clock": a.clock, "isa": level,
+              "torch": torch.__version__, "m_cross": {}, "seconds": {}}
     for q in a.formats.split(","):
         meas = measure(q, grid, rounds=3 if a.quick else 5, min_time=0.01 if a.quick else 0.03,
                        cpu_clock=a.clock == "cpu")
@@ -153,25 +155,10 @@ def main(argv=None) -> int:
         print(f"{q:10s} m_cross = {result['m_cross'][q]:3d}   " +
               "  ".join(f"m={m}: {v[0] * 1e3:.2f}/{v[1] * 1e3:.2f} ({v[2]:.2f}x)" for m, v in meas.items()) +
               "  (tiny/blocked ms, median tiny/blocked ratio)", flush=True)
-    data = {}
-    if path.exists():
-        try:
-            data = json.loads(path.read_text())
-        except ValueError:
-            data = {}
-    # One entry per way of measuring (dispatch._read_tuning picks by the thread count);
+    # One entry per ISA level and way of measuring (optimized.tune.entry picks by both);
     # formats not measured now keep their earlier value in the same entry.
-    key = "cpu" if a.clock == "cpu" else f"threads={a.threads}"
-    fe = data.get("fused_experts", {})
-    entries = fe.get("by_clock", {}) if isinstance(fe.get("by_clock"), dict) else {}
-    old = entries.get(key, {}).get("m_cross", {})
-    result["m_cross"] = {**old, **result["m_cross"]}
-    entries[key] = result
-    data["fused_experts"] = {"by_clock": entries}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
-    dispatch.reload_tuning()
-    print(f"wrote {path}")
+    path = tune.store("fused_experts", level, "cpu" if a.clock == "cpu" else f"threads={a.threads}", result)
+    print(f"wrote {path} (level {level})")
     return 0
 
 
