@@ -145,3 +145,32 @@ def run(exe: Path, case_dir: Path, arch: str, level: str | None = None) -> str:
     if p.returncode:
         raise RuntimeError(f"driver failed ({p.returncode}) on {case_dir.name}: {p.stderr.strip()}")
     return p.stdout.split()[-1]
+
+
+def check_bindings() -> str:
+    """The torch bindings (csrc/torch/*.cpp) compiled for aarch64 against the installed torch's
+    headers (the same on every architecture), syntax and types only: nothing x86 in them, and
+    the kernels' aarch64 declarations (isa_dispatch.h) are what they call. No link: that needs
+    torch's aarch64 libraries. '' when clean, else the compiler's messages. A clean result is
+    remembered under the build folder, keyed like the driver's builds."""
+    from torch.utils import cpp_extension
+    import torch
+
+    incs = [f"-I{p}" for p in cpp_extension.include_paths()]
+    srcs = sorted((CSRC / "torch").glob("*.cpp"))
+    h = hashlib.sha256(_sources_digest() + torch.__version__.encode() + _compiler_version(CROSS_CXX))
+    for p in srcs + sorted((CSRC / "torch").glob("*.h")):
+        h.update(p.read_bytes())
+    stamp = Path(os.environ.get("MOELAB_BUILD_DIR", ROOT / "build")) / f"cross-bindings-{h.hexdigest()[:16]}.ok"
+    if stamp.exists():
+        return ""
+    # C++20: the standard the pinned torch's headers require (optimized/_build.py lets torch choose).
+    cmds = [[CROSS_CXX, "-std=c++20", "-fsyntax-only", "-Wall", "-Werror", "-Wno-unknown-pragmas", *incs, str(s)]
+            for s in srcs]
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(2, os.cpu_count() or 1))) as ex:
+        errors = [e for e in ex.map(_compile, cmds) if e]
+    if errors:
+        return "\n".join(errors)
+    stamp.parent.mkdir(parents=True, exist_ok=True)
+    stamp.write_text("ok\n")
+    return ""

@@ -351,3 +351,11 @@ def test_build_levels_per_machine():
                                        "neon": {"MOELAB_ISA_LEVEL": 0, "MOELAB_ISA_NEON": 1}}
     assert b.isa_levels("arm64") == b.isa_levels("aarch64")
     assert b.isa_levels("riscv64") == {"scalar": {"MOELAB_ISA_LEVEL": 0}}
+
+
+@needs_tools
+def test_bindings_cross_compile_for_aarch64():
+    """The torch bindings compile for aarch64 (-Wall -Werror, syntax and types) against torch's
+    headers: with the kernels, the whole extension's C++ needs nothing x86."""
+    errors = cross_cpu.check_bindings()
+    assert errors == "", errors[:4000]
