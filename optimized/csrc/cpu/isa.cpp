@@ -73,6 +73,16 @@ const char* isa_name(Isa isa) {
   return "?";
 }
 
+const char* isa_names() {
+#if defined(__x86_64__) || defined(__i386__)
+  return "scalar, avx2, avx512, avx512_bf16";
+#elif defined(__aarch64__)
+  return "scalar, neon";
+#else
+  return "scalar";
+#endif
+}
+
 bool parse_isa(const char* name, Isa* out) {
   for (int i = 0; i <= kIsaTop; ++i) {
     if (std::strcmp(name, isa_name(static_cast<Isa>(i))) == 0) {

@@ -26,5 +26,6 @@ Isa active_isa();                   // min(detected, cap); the cap starts from M
 void set_isa_cap(Isa cap);          // tests: force a lower level for this process
 const char* isa_name(Isa isa);      // "scalar", "avx2", "avx512", "avx512_bf16"; "neon" on aarch64
 bool parse_isa(const char* name, Isa* out);
+const char* isa_names();            // this build's level names, comma-separated (messages)
 
 }  // namespace moelab::cpu

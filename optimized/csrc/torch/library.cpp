@@ -64,8 +64,8 @@ static std::vector<std::string> backend_info() {
 
 static void set_isa(const std::string& name) {
   cpu::Isa isa;
-  TORCH_CHECK(cpu::parse_isa(name.c_str(), &isa), "moelab::set_isa: argument 'name' must be one of "
-              "scalar, avx2, avx512, avx512_bf16; got '", name, "'");
+  TORCH_CHECK(cpu::parse_isa(name.c_str(), &isa), "moelab::set_isa: argument 'name' must be one of ",
+              cpu::isa_names(), "; got '", name, "'");
   cpu::set_isa_cap(isa);
 }
 
