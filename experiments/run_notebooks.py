@@ -1,4 +1,4 @@
-"""`python -m experiments.run_notebooks [--mode tiny|quick|full] [--only 000,003] [--out DIR]`
+"""`python -m experiments.run_notebooks [--mode tiny|quick|full] [--runs N] [--only 000,003] [--out DIR]`
 
 Runs every experiment notebook (experiments/0*.ipynb) headless with nbclient, in the mode
 given (quick by default; `make experiments FULL=1` passes --mode full), saves the executed
@@ -7,6 +7,12 @@ the figure measured here and its verdict (collected from the <notebook>_verdicts
 the notebooks write to <out>/results/<machine>/), the end-to-end layer table, the figures,
 and how long each notebook took. <out> defaults to experiments/. Exit status 1 if a
 notebook failed (the others still run, and the report says which failed).
+
+A verdict rests on N whole runs (--runs, 3 by default; 1 in tiny mode): the notebooks run N
+times, each run in its own process per notebook, the first N - 1 into a scratch folder, the
+last into <out>, so every table and figure comes from one run of one commit. A claim keeps its
+verdict only when all N runs agree; where their ratios straddle a threshold it is
+"unstable (a..b)" (combine_runs). A verdict one rerun flips is not a finding.
 """
 from __future__ import annotations
 
@@ -15,7 +21,9 @@ import csv
 import datetime
 import os
 import re
+import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -73,11 +81,43 @@ def _read_rows(folder: Path, suffix: str) -> dict[str, list[dict]]:
     return out
 
 
+def _kind(verdict: str) -> str:
+    return "analogue" if verdict.startswith("analogue") else verdict
+
+
+def combine_runs(runs: list[list[dict]]) -> list[dict]:
+    """One verdict row per claim over whole runs (each a list of a notebook's verdict rows, the
+    last run last): the last run's row, with `runs` (how many runs measured it), `run_ratios`
+    (each run's measured_ratio) and the verdict all runs agree on, or `unstable (min..max)` of
+    their ratios when they disagree. Analogue verdicts agree when all runs are analogues; their
+    combined ratio is the median of the runs'."""
+    by_claim: dict[str, list[dict]] = {}
+    for rows in runs:
+        for r in rows:
+            by_claim.setdefault(r["claim_id"], []).append(r)
+    out = []
+    for cid, rs in by_claim.items():
+        last = dict(rs[-1])
+        ratios = [float(r["measured_ratio"]) for r in rs if r.get("measured_ratio") not in ("", None)]
+        kinds = {_kind(r["verdict"]) for r in rs}
+        last["runs"] = len(rs)
+        last["run_ratios"] = " ".join(f"{x:.4g}" for x in ratios)
+        if len(kinds) > 1:
+            span = f"{min(ratios):.3g}..{max(ratios):.3g}" if ratios else "?"
+            last["verdict"] = f"unstable ({span})"
+            last["why"] = (f"the {len(rs)} runs disagree ({', '.join(r['verdict'] for r in rs)}); "
+                           + last.get("why", ""))
+        elif kinds == {"analogue"} and ratios:
+            last["verdict"] = f"analogue ({statistics.median(ratios):.3g}x)"
+        out.append(last)
+    return out
+
+
 def _cell(text) -> str:
     return str(text).replace("|", "\\|").replace("\n", " ")
 
 
-def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
+def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int = 1) -> Path:
     from . import nb, timing
     m = timing.machine()
     res = timing.results_dir(out / "results")
@@ -119,14 +159,19 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
         "Verdict rule: " + " ".join(nb.__doc__.split("Verdict rule (`judge`), the same for every claim that is a "
                                                "speed ratio (> 1 = better):")[1].split()),
         "",
+        f"Each verdict rests on {n_runs} whole run(s) of every notebook (the `runs` column: how many, and "
+        f"each run's ratio): a claim keeps its verdict only when every run agrees, and is **unstable "
+        f"(a..b)** where the runs' ratios straddle a threshold. Tables and figures are the last run's.",
+        "",
     ]
     counts: dict[str, int] = {}
     seen: dict[str, str] = {}
     lines += ["## Claims", "",
               "Each row names the seed's pair and ours (papers/claims.toml `seed_pair` / `our_pair`, "
               "before -> after).", "",
-              "| claim | reported (source) | seed's pair | our pair | claimed | measured here | verdict | why |",
-              "|---|---|---|---|---|---|---|---|"]
+              "| claim | reported (source) | seed's pair | our pair | claimed | measured here (last run) | "
+              "runs: ratios | verdict | why |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for c in claims:
         r = by_id.get(c["id"])
         if r is None:
@@ -137,23 +182,24 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
             else:
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
-        kind = "analogue" if r["verdict"].startswith("analogue") else r["verdict"]
+        kind = "unstable" if r["verdict"].startswith("unstable") else _kind(r["verdict"])
         counts[kind] = counts.get(kind, 0) + 1
         seen[c["id"]] = kind
         gpu = f" GPU: {r['gpu']}" if r.get("gpu") else ""
         lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(c.get('seed_pair', '?'))} | "
                      f"{_cell(c.get('our_pair', '?'))} | {_cell(r['claimed_ratio'])} | "
-                     f"{_cell(r['measured'])}{_cell(gpu)} | **{r['verdict']}** | {_cell(r['why'])} |")
+                     f"{_cell(r['measured'])}{_cell(gpu)} | {r.get('runs', 1)}: {_cell(r.get('run_ratios', ''))} | "
+                     f"**{r['verdict']}** | {_cell(r['why'])} |")
     lines += ["", "Summary: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
               + f" (of {len(claims)} claims).", ""]
     lines += ["Which claims held, per seed (counts of verdicts):", "",
-              "| seed | reproduced | partly | not | analogue | not measurable | not measured |",
-              "|---|---|---|---|---|---|---|"]
+              "| seed | reproduced | partly | not | unstable | analogue | not measurable | not measured |",
+              "|---|---|---|---|---|---|---|---|"]
     for seed in sorted({c["seed"] for c in claims}):
         vs = [seen[c["id"]] for c in claims if c["seed"] == seed]
         lines.append(f"| {seed} | " + " | ".join(str(vs.count(v)) for v in
-                                                 ("reproduced", "partly", "not", "analogue", "not measurable",
-                                                  "not measured")) + " |")
+                                                 ("reproduced", "partly", "not", "unstable", "analogue",
+                                                  "not measurable", "not measured")) + " |")
     lines.append("")
     extra = [r for nbname, rows in verdicts.items() if nbname != "005_moe_layer"   # 005: its own table below
              for r in rows if r["claim_id"] not in {c["id"] for c in claims}]
@@ -204,6 +250,27 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "") -> Path:
     return path
 
 
+def _combine_verdicts(out: Path, earlier: list[Path], names: list[str]) -> None:
+    """Rewrite the last run's <notebook>_verdicts.csv of each notebook run (`names`) with
+    combine_runs over the earlier runs' files of the same notebook (a notebook that failed in a
+    run has fewer runs)."""
+    from . import timing
+    res = timing.results_dir(out / "results")
+    for path in [res / f"{n}_verdicts.csv" for n in names if (res / f"{n}_verdicts.csv").exists()]:
+        runs = []
+        for folder in earlier + [out]:
+            p = timing.results_dir(folder / "results") / path.name
+            if p.exists():
+                with open(p, newline="") as f:
+                    runs.append(list(csv.DictReader(f)))
+        rows = combine_runs(runs)
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        with open(path, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=names, restval="")
+            w.writeheader()
+            w.writerows(rows)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m experiments.run_notebooks", description=__doc__.splitlines()[0])
     p.add_argument("--mode", choices=("tiny", "quick", "full"), default=os.environ.get("MOELAB_NB_MODE", "quick"))
@@ -211,6 +278,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="folder for executed/, figures/, results/, REPORT.md "
                                                "(default: experiments/)")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per cell")
+    p.add_argument("--runs", type=int, default=None,
+                   help="whole runs each verdict rests on (default 3; 1 in tiny mode)")
     a = p.parse_args(argv)
     out = Path(a.out).resolve() if a.out else HERE
     note = ""
@@ -221,13 +290,23 @@ def main(argv=None) -> int:
             note = ("parallel regions on all threads stalled at the start of this run (another process held a "
                     "core), so every notebook measured on 1 thread")
             print(note, flush=True)
-    runs = []
-    for path in notebooks(a.only.split(",") if a.only else None):
-        print(f"[{time.strftime('%H:%M:%S')}] {path.stem} ({a.mode}) ...", flush=True)
-        r = execute(path, a.mode, out, a.timeout)
-        print(f"    {r['status']} in {r['seconds']:.0f} s" + (f": {r['error']}" if r["error"] else ""), flush=True)
-        runs.append(r)
-    rep = report(out, a.mode, runs, note)
+    n_runs = a.runs or (1 if a.mode == "tiny" else 3)
+    paths = notebooks(a.only.split(",") if a.only else None)
+    earlier: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="moelab-nb-runs-") as scratch:
+        for k in range(1, n_runs + 1):
+            dst = out if k == n_runs else Path(scratch) / f"run{k}"
+            runs = []
+            for path in paths:
+                print(f"[{time.strftime('%H:%M:%S')}] run {k} of {n_runs}: {path.stem} ({a.mode}) ...", flush=True)
+                r = execute(path, a.mode, dst, a.timeout)
+                print(f"    {r['status']} in {r['seconds']:.0f} s" + (f": {r['error']}" if r["error"] else ""),
+                      flush=True)
+                runs.append(r)
+            if k < n_runs:
+                earlier.append(dst)
+        _combine_verdicts(out, earlier, [p.stem for p in paths])
+    rep = report(out, a.mode, runs, note, n_runs)
     print(f"wrote {rep}")
     return 0 if all(r["status"] == "ok" for r in runs) else 1
 

@@ -329,6 +329,58 @@ def write_csv(name: str, rows: list[dict], root: str | os.PathLike | None = None
     return path
 
 
+def commit() -> str:
+    """The checkout's commit (short hash), with `+dirty` when tracked files differ from it:
+    a result of uncommitted code says so. `unknown` outside a git checkout."""
+    root = Path(__file__).resolve().parents[1]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + ("+dirty" if dirty else "")
+
+
+def provenance(command: str) -> str:
+    """The lines a canonical result file opens with: the command that regenerates it, the
+    commit, the UTC time, the machine (CPU, cores, ISA detected / active, torch) and the load
+    average at the start (above the core count the machine was shared while measuring).
+    Threads and the read bandwidth are per table, in each table's own header."""
+    import datetime
+    m = machine()
+    try:
+        import optimized
+        info = optimized.backend_info()
+        isa = f"{info['active']} (CPU: {info['detected']})"
+    except Exception as exc:  # the extension may be unavailable; say so
+        isa = f"unavailable ({type(exc).__name__})"
+    now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    return (f"# command: {command}\n# commit: {commit()}\n# date: {now}\n"
+            f"# machine: {m['cpu']}, {m['cores']} cores, ISA {isa}, torch {m['torch']}\n"
+            f"# load average at start: {m['load']}\n")
+
+
+def save_result(name: str, header: str, text: str, rows: list[dict] | None = None,
+                root: str | os.PathLike | None = None) -> Path:
+    """Write the canonical output of one benchmark: results_dir(root)/<name>.txt (`header`,
+    provenance() taken when the run started, then `text`) and, given `rows`, <name>.csv beside it. The same command writes the same
+    name, so a rerun replaces the file: one output per benchmark and machine, its history in
+    git. Returns the .txt path."""
+    folder = results_dir(root)
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{name}.txt"
+    path.write_text(header + text)
+    if rows:
+        names = list(dict.fromkeys(k for r in rows for k in r))
+        with open(folder / f"{name}.csv", "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=names, restval="")
+            w.writeheader()
+            w.writerows(rows)
+    return path
+
+
 class Rotating:
     """Cycles through copies of an op's arguments so each call reads cold memory.
 

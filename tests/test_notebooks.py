@@ -207,29 +207,47 @@ def test_tiny_run_verdicts_follow_the_pair_rule(tiny_run):
     assert len(eager) == 1 and eager[0]["verdict"].startswith("analogue (")
 
 
-def test_peer_results_later_set_replaces_earlier_rows_point_by_point(tmp_path, monkeypatch):
-    """nb.peer_results reads the PEER_RUNS sets in order; a point (op, shape, threads) measured
-    again by a later set shows only the later set's rows, every other point keeps its rows."""
+def test_peer_results_read_one_canonical_file_per_machine(tmp_path, monkeypatch):
+    """nb.peer_results reads each machine's PEER_RUN file only (one run set of one commit): rows
+    of other ops and files beside it (older or partial runs) never reach a notebook."""
     pytest.importorskip("pandas")
-    d = tmp_path / "experiments" / "results" / "m"
-    d.mkdir(parents=True)
     cols = ["op", "shape", "threads", "impl", "speedup", "ours_vs"]
 
-    def write(name, rows):
-        with open(d / name, "w", newline="") as f:
+    def write(path, rows):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w", newline="") as f:
             w = csv.writer(f)
             w.writerow(cols)
             w.writerows(rows)
 
-    write("old_1.csv", [["fe", "A", 2, "moelab", 5.0, ""], ["fe", "A", 2, "peer", 5.0, 1.04],
-                        ["fe", "B", 2, "moelab", 3.0, ""], ["fe", "B", 2, "peer", 3.0, 0.9],
-                        ["other", "A", 2, "peer", 1.0, 7.0]])
-    write("new_1.csv", [["fe", "A", 2, "moelab", 5.5, ""], ["fe", "A", 2, "peer", 5.5, 1.15]])
+    res = tmp_path / "experiments" / "results"
+    write(res / "m1" / nb.PEER_RUN, [["fe", "A", 2, "moelab", 5.0, ""], ["fe", "A", 2, "peer", 5.0, 1.04],
+                                     ["other", "A", 2, "peer", 1.0, 7.0]])
+    write(res / "m1" / "bench_peers_fe_points-A.csv", [["fe", "A", 2, "peer", 5.5, 1.15]])
+    write(res / "m2" / nb.PEER_RUN, [["fe", "B", 1, "peer", 3.0, 0.9]])
     monkeypatch.setattr(nb, "ROOT", tmp_path)
-    monkeypatch.setattr(nb, "PEER_RUNS", ("old_*.csv", "new_*.csv"))
     t = nb.peer_results("fe")
-    got = {(r.shape, r.impl, r.file): r.vs_ours for r in t.itertuples()}
-    assert got == {("A", "eager (this notebook's baseline)", "new_1.csv"): 5.5, ("A", "peer", "new_1.csv"): 1.15,
-                   ("B", "eager (this notebook's baseline)", "old_1.csv"): 3.0, ("B", "peer", "old_1.csv"): 0.9}
-    monkeypatch.setattr(nb, "PEER_RUNS", ("none_*.csv",))
+    got = {(r.machine, r.shape, r.impl): r.vs_ours for r in t.itertuples()}
+    assert got == {("m1", "A", "eager (this notebook's baseline)"): 5.0, ("m1", "A", "peer"): 1.04,
+                   ("m2", "B", "peer"): 0.9}
+    monkeypatch.setattr(nb, "ROOT", tmp_path / "nowhere")
     assert nb.peer_results("fe").empty
+
+
+def test_combine_runs_keeps_agreeing_verdicts_and_marks_straddling_ones_unstable():
+    from experiments.run_notebooks import combine_runs
+
+    def row(cid, ratio, verdict):
+        return {"claim_id": cid, "measured_ratio": str(ratio), "verdict": verdict, "why": "w", "measured": f"{ratio}x"}
+
+    runs = [[row("a", 1.70, "reproduced"), row("b", 1.04, "partly"), row("c", 2.0, "analogue (2x)")],
+            [row("a", 1.66, "reproduced"), row("b", 0.99, "not"), row("c", 3.0, "analogue (3x)")],
+            [row("a", 1.69, "reproduced"), row("b", 1.42, "partly"), row("c", 2.5, "analogue (2.5x)")]]
+    got = {r["claim_id"]: r for r in combine_runs(runs)}
+    assert got["a"]["verdict"] == "reproduced" and got["a"]["runs"] == 3 and got["a"]["measured"] == "1.69x"
+    assert got["a"]["run_ratios"] == "1.7 1.66 1.69"
+    assert got["b"]["verdict"] == "unstable (0.99..1.42)"
+    assert got["b"]["why"].startswith("the 3 runs disagree (partly, not, partly)")
+    assert got["c"]["verdict"] == "analogue (2.5x)"
+    # one run: the verdict is that run's
+    assert combine_runs([[row("a", 0.9, "not")]])[0]["verdict"] == "not"

@@ -6,7 +6,7 @@
 // the question being whether keeping the weights of a block in L1 (as a GEMM library's K
 // blocking does) would speed the blocked kernel up. 64 distinct tiles (16 MB, in L3 after the
 // first round), best of 7 rounds, ns per vdpbf16ps, one core.
-//   g++ -O2 -march=native experiments/micro/blocked_tile.cpp -o /tmp/blocked_tile && /tmp/blocked_tile
+//   python -m experiments.micro blocked_tile   (compiles with g++ -march=native, runs, saves)
 // Results: experiments/results/<machine>/blocked_tile.txt
 #include <immintrin.h>
 #include <chrono>

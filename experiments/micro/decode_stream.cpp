@@ -14,8 +14,8 @@
 //   tmaj+next   tmaj with the next-tile prefetch of kern
 //   tmaj+L2:D   tmaj with a prefetcht1 of its own stream D lines ahead (4 lines per k pair)
 // Interleaved rounds, the order rotating, median (min..max) over rounds.
-//   g++ -O2 -march=native -fopenmp experiments/micro/decode_stream.cpp -o /tmp/decode_stream
-//   /tmp/decode_stream R rounds K [threads]   (R rows, K = 2048: OLMoE's GEMM1, 1024: its GEMM2;
+//   python -m experiments.micro decode_stream   (compiles with g++ -march=native, runs, saves)
+//   arguments: R rounds K [threads]   (R rows, K = 2048: OLMoE's GEMM1, 1024: its GEMM2;
 //                                              threads: 1 by default)
 // Results: experiments/results/<machine>/decode_stream.txt
 #include <immintrin.h>

@@ -3,7 +3,7 @@
 // 6 times per 24 dps (micro_buf's loop), loaded pre-broadcast (6 full-vector loads), or
 // broadcast once per dp (24 per 24 dps: what the blocked mxfp4 path's first chunk did until micro_tee).
 // Best of 30 rounds of 200000 iterations, ns per vdpbf16ps, one core.
-//   g++ -O2 -march=native experiments/micro/dp_broadcast.cpp -o /tmp/dp_broadcast && /tmp/dp_broadcast
+//   python -m experiments.micro dp_broadcast   (compiles with g++ -march=native, runs, saves)
 // Results: experiments/results/<machine>/dp_broadcast.txt
 #include <immintrin.h>
 

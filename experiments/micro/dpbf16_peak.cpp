@@ -4,7 +4,7 @@
 // kernel keeps 24, which here GCC would not keep in registers), operands in registers, no
 // memory traffic.
 //
-//   g++ -O3 -march=native experiments/micro/dpbf16_peak.cpp -o /tmp/dpbf16_peak && /tmp/dpbf16_peak
+//   python -m experiments.micro dpbf16_peak   (compiles with g++ -march=native, runs, saves)
 //   (needs AVX512-BF16; output: experiments/results/<machine>/dpbf16_peak.txt)
 //
 // Each figure is the best of 200 runs of 20000 iterations (about 0.1-0.3 ms each, so a run that

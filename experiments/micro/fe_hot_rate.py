@@ -2,7 +2,7 @@
 weights hot in L3 against cold (rotating copies, as `make bench` times it), one process,
 interleaved rounds, with the read probe in each round.
 
-    python -m experiments.micro.fe_hot_rate        (~1 minute)
+    python -m experiments.micro fe_hot_rate        (~1 minute)
 
 Qwen3-30B-A3B fp8_block (H = 2048, I = 768), T = 1 routed to 4 experts (18.9 MB of weights,
 inside the 32 MB L3 of the 2-core EPYC), prepacked. hot: one weight copy, every call the same

@@ -1,7 +1,7 @@
 // fp8 (e4m3) -> bf16 decoders of fused_experts' fast path, side by side, on one core.
 //
-//   g++ -O2 -march=native experiments/micro/fp8_decode.cpp -o /tmp/fp8_decode && /tmp/fp8_decode
-//   (needs AVX512-BF16 and VBMI; output: experiments/results/<machine>/fp8_decode_micro.txt)
+//   python -m experiments.micro fp8_decode   (compiles with g++ -march=native, runs, saves)
+//   (needs AVX512-BF16 and VBMI; output: experiments/results/<machine>/fp8_decode.txt)
 //
 // Each decoder turns codes (with one block scale) into the bf16 weights vdpbf16ps consumes,
 // 16 columns x 2 k per 32 weights, and feeds them to a T = 1 dot product, as the tiny

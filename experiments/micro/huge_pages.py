@@ -1,6 +1,6 @@
-"""`python -m experiments.micro.huge_pages [--shapes ...] [--threads N]`: fused_experts decode on
+"""`python -m experiments.micro huge_pages [--shapes ...] [--threads N]`: fused_experts decode on
 prepacked weights in transparent huge pages (what prepack_moe_weights and the pack cache ask for,
-csrc/torch/fused_experts.cpp: advise_huge_pages) against the same bytes copied into 4 KiB pages
+csrc/cpu/fused_experts_schedule.h: advise_huge_pages) against the same bytes copied into 4 KiB pages
 (madvise MADV_NOHUGEPAGE before the first write), side by side, interleaved rounds, rotating cold
 copies (two per side). Linux only. Output: experiments/results/<machine>/huge_pages.txt."""
 from __future__ import annotations
@@ -80,7 +80,7 @@ def run(name: str, batch_sizes=(1, 4, 16), rounds: int = 9) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.micro.huge_pages", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.micro huge_pages", description=__doc__.splitlines()[0])
     p.add_argument("--shapes", nargs="+", default=["qwen3-30b-a3b", "gpt-oss-20b"], choices=list(SHAPES))
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(argv)

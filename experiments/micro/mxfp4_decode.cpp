@@ -1,9 +1,9 @@
 // mxfp4 (e2m1 codes, e8m0 scales per 32 k) -> the T = 1 dot product of fused_experts' tiny
 // micro-kernel, two ways, side by side on one core:
 //
-//   g++ -O3 -march=native experiments/micro/mxfp4_decode.cpp -o /tmp/mxfp4_decode && /tmp/mxfp4_decode
+//   python -m experiments.micro mxfp4_decode   (compiles with g++ -march=native, runs, saves)
 //   (-O3 as the extension is built: -O2 leaves the k loop rolled and halves the gain; needs
-//   AVX512-BF16; output: experiments/results/<machine>/mxfp4_decode_micro.txt)
+//   AVX512-BF16; output: experiments/results/<machine>/mxfp4_decode.txt)
 //
 //   scaled    the decoder before December 2026 (Mx4Dec): per 32 bytes (64 codes) vpmovzxbw,
 //             low / high nibble, two vpermw of the e2m1 bf16 patterns, and the column's scale

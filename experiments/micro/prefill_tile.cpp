@@ -6,7 +6,7 @@
 // (prefetcht0) of the line D k pairs ahead: 1 line per pair (every 4th line of the stream:
 // "tm+L1x1:D") or all 4 ("tm+L1x4:D"). 16 distinct tiles (4 MB) round robin, so each item's
 // first chunk reads its tile from L3. Interleaved rounds, median (min..max) ns per vdpbf16ps.
-//   g++ -O2 -march=native experiments/micro/prefill_tile.cpp -o /tmp/prefill_tile && /tmp/prefill_tile
+//   python -m experiments.micro prefill_tile   (compiles with g++ -march=native, runs, saves)
 // Results: experiments/results/<machine>/prefill_tile.txt
 #include <immintrin.h>
 

@@ -1,4 +1,4 @@
-"""`python -m experiments.micro.read_bandwidth [--threads 1 2] [--rounds N] [--mib M]`: what this
+"""`python -m experiments.micro read_bandwidth [--threads 1 2] [--rounds N] [--mib M]`: what this
 machine can stream, the bench's DRAM floor (timing.read_bandwidth). Side by side, interleaved
 rounds, per thread count: the streaming-read probe moelab::read_stream (64-byte vector loads,
 S interleaved streams per thread, S = 1, 2, 4, 8, 16, without and with a software prefetch pf
@@ -50,14 +50,14 @@ def run(threads: int, nbytes: int, rounds: int) -> list[str]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m experiments.micro.read_bandwidth", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m experiments.micro read_bandwidth", description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--mib", type=int, default=256)
     a = p.parse_args(argv)
     m = timing.machine()
     print(f"# {m['cpu']}, ISA {m['isa']}, torch {m['torch']}, load {os.getloadavg()[0]:.2f} at start; "
-          f"`python -m experiments.micro.read_bandwidth {' '.join(argv if argv is not None else sys.argv[1:])}`; "
+          f"`python -m experiments.micro read_bandwidth {' '.join(argv if argv is not None else sys.argv[1:])}`; "
           f"GB/s = buffer bytes / median time per pass (min..max over {a.rounds} interleaved rounds)", flush=True)
     for n in a.threads:
         for line in run(n, a.mib << 20, a.rounds):

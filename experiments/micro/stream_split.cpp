@@ -4,7 +4,7 @@
 // 256 KB, 1 MB or 4 MB (neighbouring addresses at any moment, as an atomic task counter gives).
 // The question: does how the two threads divide a decode's weight stream change its read rate?
 // Interleaved rounds, median (min..max) GB/s.
-//   g++ -O2 -march=native -pthread experiments/micro/stream_split.cpp -o /tmp/stream_split && /tmp/stream_split 15
+//   python -m experiments.micro stream_split 15   (compiles with g++ -march=native, runs, saves)
 // Results: experiments/results/<machine>/stream_split.txt
 #include <immintrin.h>
 #include <sys/mman.h>

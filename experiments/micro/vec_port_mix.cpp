@@ -2,7 +2,7 @@
 // in pairs, on one core: 24 independent chains, so latency does not limit; "cycles per
 // instr" is time per instruction over one cycle of a dependent vpaddd chain (the clock).
 //
-//   g++ -O2 -march=native experiments/micro/vec_port_mix.cpp -o /tmp/vec_port_mix && /tmp/vec_port_mix
+//   python -m experiments.micro vec_port_mix   (compiles with g++ -march=native, runs, saves)
 //   (needs AVX512-BF16 and VBMI; output: experiments/results/<machine>/vec_port_mix.txt)
 //
 // What it is for: Fp8PairDec decodes 64 weights with vpermb + 2 vpermi2b + vpternlogd + 2
