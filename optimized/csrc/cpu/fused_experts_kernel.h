@@ -54,6 +54,10 @@ using namespace fe_simd;
 using fe::group_bytes;
 using fe::k2;
 
+// The avx2 and NEON fast decoders are forced inline: GCC left Mx4Dec<4>::get at avx2 out of
+// line (a call per octet, its 8 results through memory), which cost a third of the decode.
+#define MOELAB_FE_INLINE inline __attribute__((always_inline))
+
 constexpr int kTinyRows = 4;
 constexpr int kBlockedRows = 6;
 constexpr int64_t kStreamAhead = 16;   // bf16 decode: cache lines prefetched ahead in the own tile
@@ -90,6 +94,14 @@ struct ExactDec {
   const uint8_t* ms;         // mxfp4: the tile's packed scales (first group)
   int64_t sgb;               // mxfp4: scale bytes per group
   void begin_block(int64_t) {}
+  // fp8: the decoder of 128-k block b alone, whose first pair is k0 (pairs renumbered from 0).
+  ExactDec fp8_block_view(int64_t b, int64_t k0) const {
+    ExactDec v = *this;
+    v.w += k0 * 32;
+    v.K -= 2 * k0;
+    v.srow += b;
+    return v;
+  }
   void get(int g, int64_t kk, W32* out) const {
     alignas(64) uint16_t v[32];
     if (q == fe::kFP8) {
@@ -283,7 +295,7 @@ inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex.w, ex.gb, ex.srow, 
 // bf16(e4m3(i) * s), i = 0..15, its low and high bytes in two vpshufb tables; the index is
 // m for E = 0 and 8 + m otherwise, and the sign is XORed in as the other levels do. A block
 // whose scale lies outside that range (0 among them: an all-zero 128 x 128 block) decodes
-// through the exact decoder: the same bits. ~23 instructions per 32 weights, no multiply.
+// through the exact decoder: the same bits. No multiply.
 struct Fp8Dec {
   static constexpr int kStep = 1;
   static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
@@ -304,22 +316,26 @@ struct Fp8Dec {
     tlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
   }
-  void get(int g, int64_t kk, W32* out) const {
-    if (slow_block) return exact.get(g, kk, out);
+  // Only for blocks with !slow_block: run_rows and dequant send the others to `exact`, so the
+  // loop over a block's pairs has no branch and no call beside the vector code. 19 vector
+  // instructions per 32 codes: the codes' magnitude c7 = c & 0x7f gives the index
+  // (min(c7, (c & 7) | 8): m for E = 0, 8 + m otherwise), the exponent step ((c & 0x78) - 8,
+  // saturated: (E - 1) << 3, 0 for E = 0) and the sign (c ^ c7), so few constants stay live
+  // (experiments/micro/avx2_decode.cpp: "fp8 min", beside an index by compare).
+  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {
     // qwords 0, 2, 1, 3: the per-lane byte unpacks at the end then give codes 0-15 (columns
     // 0-7) in .lo and codes 16-31 (columns 8-15) in .hi, in order
     const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(exact.w + g * exact.gb + kk * 32)),
                                                _MM_SHUFFLE(3, 1, 2, 0));
-    const __m256i e = _mm256_and_si256(_mm256_srli_epi16(c, 3), _mm256_set1_epi8(0x0f));   // exponent field
-    const __m256i m = _mm256_and_si256(c, _mm256_set1_epi8(0x07));
-    const __m256i idx = _mm256_or_si256(m, _mm256_and_si256(_mm256_cmpgt_epi8(e, _mm256_setzero_si256()),
-                                                            _mm256_set1_epi8(0x08)));
+    const __m256i k8 = _mm256_set1_epi8(0x08);
+    const __m256i c7 = _mm256_and_si256(c, _mm256_set1_epi8(0x7f));
+    const __m256i idx = _mm256_min_epu8(c7, _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi8(0x07)), k8));
+    const __m256i ea = _mm256_subs_epu8(_mm256_and_si256(c, _mm256_set1_epi8(0x78)), k8);   // (E - 1) << 3
     const __m256i lo = _mm256_shuffle_epi8(tlo, idx);
-    const __m256i hi = _mm256_xor_si256(_mm256_shuffle_epi8(thi, idx), _mm256_and_si256(c, _mm256_set1_epi8(char(0x80))));
-    const __m256i ea = _mm256_subs_epu8(e, _mm256_set1_epi8(1));   // E - 1, or 0 for E = 0
+    const __m256i hi = _mm256_xor_si256(_mm256_shuffle_epi8(thi, idx), _mm256_xor_si256(c, c7));   // sign
     const __m256i z = _mm256_setzero_si256();
-    out[0].lo = _mm256_add_epi16(_mm256_unpacklo_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpacklo_epi8(ea, z), 7));
-    out[0].hi = _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 7));
+    out[0].lo = _mm256_add_epi16(_mm256_unpacklo_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpacklo_epi8(ea, z), 4));
+    out[0].hi = _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 4));
   }
 };
 
@@ -366,11 +382,11 @@ struct Mx4Dec {
   void begin_block(int64_t b) {
     for (int g = 0; g < NG; ++g) factor[g] = mx_rescale(ms + g * sgb, b, sgb / fe::kGroupN);
   }
-  __m256i codes(__m256i d) const {   // the low nibble of each word -> its bf16 pattern
+  MOELAB_FE_INLINE __m256i codes(__m256i d) const {   // the low nibble of each word -> its bf16 pattern
     const __m256i n = _mm256_and_si256(d, _mm256_set1_epi16(0x000f));
     return _mm256_or_si256(_mm256_shuffle_epi8(tlo, n), _mm256_shuffle_epi8(thi, _mm256_slli_epi16(n, 8)));
   }
-  void get(int g, int64_t kk, W32* out) const {
+  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {
     const uint8_t* p = w + g * gb + (kk / 4) * 64;
     const __m256i d0 = _mm256_loadu_si256((const __m256i*)p), d1 = _mm256_loadu_si256((const __m256i*)(p + 32));
     out[0] = {codes(d0), codes(d1)};
@@ -429,8 +445,7 @@ struct Fp8Dec {
     *w0 = vaddq_u16(vreinterpretq_u16_u8(vzip1q_u8(lo, hi)), vshlq_n_u16(vmovl_u8(vget_low_u8(ea)), 7));
     *w1 = vaddq_u16(vreinterpretq_u16_u8(vzip2q_u8(lo, hi)), vshlq_n_u16(vmovl_high_u8(ea), 7));
   }
-  void get(int g, int64_t kk, W32* out) const {
-    if (slow_block) return exact.get(g, kk, out);
+  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {   // blocks with !slow_block only (run_rows)
     const uint8_t* p = exact.w + g * exact.gb + kk * 32;
     words(vld1q_u8(p), &out[0].q[0], &out[0].q[1]);
     words(vld1q_u8(p + 16), &out[0].q[2], &out[0].q[3]);
@@ -492,7 +507,7 @@ struct Mx4Dec {
     return vaddq_u16(v, vandq_u16(e, vtstq_u16(v, vdupq_n_u16(0x7fff))));
 #endif
   }
-  void get(int g, int64_t kk, W32* out) const {
+  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {
     const uint16_t* p = reinterpret_cast<const uint16_t*>(w + g * gb + (kk / 4) * 64);
     const uint16x8_t m = vdupq_n_u16(0x000f);
     for (int q = 0; q < 4; ++q) {
@@ -522,6 +537,14 @@ struct Prefetch {
 };
 
 // ------------------------------------------------------------------------ the K loop
+// A decoder with a member `slow_block` (fp8 at avx2 and NEON) has a fast path only for the
+// scale blocks its begin_block accepts; run_rows and dequant send the others through its
+// exact decoder in a loop of their own, so the fast loop holds no branch.
+template <class D, class = void>
+struct has_exact_blocks : std::false_type {};
+template <class D>
+struct has_exact_blocks<D, std::void_t<decltype(&D::slow_block)>> : std::true_type {};
+
 // acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
 template <int R, int NG, class Dec>
 inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pfp) {
@@ -533,6 +556,15 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
     if constexpr (Dec::kRescales) acc_rescale(acc, dec.factor);
 #endif
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    if constexpr (has_exact_blocks<Dec>::value) {
+      if (dec.slow_block) {
+        ExactDec ex = dec.exact.fp8_block_view(b, k0);
+        *pfp = pf;
+        run_rows<R, NG>(ex, a + 2 * k0, lda, k1 - k0, acc, pfp);
+        pf = *pfp;
+        continue;
+      }
+    }
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
       pf.step();
       if constexpr (Dec::kStep > 2) {   // group by group: 4 weight vectors live, not 4 x NG
@@ -573,6 +605,13 @@ inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
   for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
     dec.begin_block(b);
     const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
+    if constexpr (has_exact_blocks<Dec>::value) {
+      if (dec.slow_block) {
+        ExactDec ex = dec.exact.fp8_block_view(b, k0);
+        dequant<NG>(ex, k1 - k0, buf + k0 * NG * 32, pf);
+        continue;
+      }
+    }
     for (int64_t kk = k0; kk < k1; kk += Dec::kStep) {
       pf->step();
       for (int g = 0; g < NG; ++g) {

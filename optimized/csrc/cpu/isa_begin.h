@@ -43,6 +43,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #if MOELAB_ISA_X86
 #include <immintrin.h>
 #elif MOELAB_ISA_NEON
