@@ -215,11 +215,11 @@ def explain(op: str, *args, **kwargs) -> Decision:
 # otherwise the op's own fallback runs (reference, or F.linear for the GEMMs). The crossovers
 # below were set before any GPU run; scripts/gpu_check.sh measures them. One H200 run so far
 # (its gpu_bench output; CUDA graphs, one shape per op):
-#   router_gemm: the fused cast faster than cast + GEMM at every T measured, 1..32 (2.95 vs
-#     5.63 us at T = 1, 13.30 vs 14.79 us at T = 32), so the limit of 32 stands;
+#   router_gemm: the fused cast faster than cast + GEMM at every T measured, 1..32, so the
+#     limit of 32 stands;
 #   skinny_gemm: faster than F.linear at T = 1, 2, 4 (K = 4096 and 7168) and at T = 8 for
-#     K = 4096, slower at T = 8 for K = 7168 (19.06 vs 17.00 us): the limit of 8 is kept until
-#     T = 5..7 and more shapes are measured;
+#     K = 4096, slower at T = 8 for K = 7168: the limit of 8 is kept until T = 5..7 and more
+#     shapes are measured;
 #   fused_experts: see GPU_FUSED_EXPERTS_M_CROSS.
 # One run of one shape per op is a lead, not a tuning: the values stay marked as such.
 GPU_ROUTER_GEMM_MAX_T = 32     # one fused-cast launch (16-token chunks on grid.y) up to here
@@ -496,8 +496,8 @@ _EXPLAINERS["fused_experts"] = fused_experts_decision
 # beyond that the small path re-reads the expert's weights (from L2) for every 8 rows while
 # the tiled path reads them once per 64 rows; experiments/gpu_bench.py times both policies on
 # an all-to-one routing. The one H200 run (Qwen3-30B-A3B fp8, scripts/gpu_check.sh)
-# puts it between m = 16 and 32: small path 96.84 / 166.91 / 310.48 us at m = 8 / 16 / 32,
-# tiled path 174.95 / 178.02 / 184.75 us, so "tiled iff m >= 16" costs ~7% at m = 16 only.
+# puts it between m = 16 and 32 (the tiled path's time nearly flat in m, the small path's
+# growing with it), so "tiled iff m >= 16" costs a few percent at m = 16 only.
 GPU_FUSED_EXPERTS_M_CROSS = {"bf16": 16, "fp8_block": 16, "mxfp4": 16}
 
 

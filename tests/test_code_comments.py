@@ -11,7 +11,10 @@ holds:
     ending in .txt / .csv (bench_peers.txt, fe_steal.txt): results change with every run;
   - a measured A/B ratio: a decimal ratio with an `x` (1.045x, 1.6-1.7x, 0.97x) or a
     bracketed min..max of decimals ([0.89..1.04]). An integer order of magnitude (`2x`, `4x`)
-    and `x` in shapes, hex and names (`4 x 6`, 0x7f, 16x16) are not ratios.
+    and `x` in shapes, hex and names (`4 x 6`, 0x7f, 16x16) are not ratios;
+  - a measured A/B pair of times or rates: two figures set against each other with `vs` or
+    `against`, the second with a unit (46 us vs 57 us, 13.30 vs 14.79 us, 9.1 against 7.2 GB/s).
+    A floor or an estimate (`~14 / 7 us`, `1.26 ms at 30 GB/s`) is not a pair.
 """
 from __future__ import annotations
 
@@ -33,6 +36,8 @@ RULES = {
     "results file": re.compile(r"(?:\bexperiments/)?\bresults/[\w.-]+|\b[\w-]+\.(?:txt|csv)\b"),
     "A/B ratio": re.compile(rf"(?<![\w.])(?:{_DEC}|\d+)\s*(?:-|\.\.)\s*{_DEC}x\b|(?<![\w.]){_DEC}x\b"
                             rf"|\[\s*{_DEC}\s*\.\.\s*{_DEC}\s*\]"),
+    "A/B times": re.compile(r"(?<![\w.~])\d+(?:\.\d+)?\s*(?:us|ms|ns|GB/s)?\s+(?:vs\.?|against)\s+"
+                            r"\d+(?:\.\d+)?\s*(?:us|ms|ns|GB/s)\b"),
 }
 
 
@@ -68,6 +73,9 @@ def sources() -> list[Path]:
     ("// two threads: 1.016-1.074x, one thread 0.964-0.996x", "A/B ratio"),
     ("// kept: T = 1 0.98 [0.89..1.04], T = 4 0.92 [0.73..1.24]", "A/B ratio"),
     ("# still 1.2x slower at H = 3088", "A/B ratio"),
+    ("// one thread, 8 KB rows: 46 us vs 57 us for the vector loop", "A/B times"),
+    ("#     5.63 us at T = 1, 13.30 vs 14.79 us at T = 32), so the limit stands", "A/B times"),
+    ("// 9.1 against 7.2 GB/s on two threads", "A/B times"),
 ])
 def test_detector_flags_a_planted_line(line, rule):
     assert rule in {r for _, r, _ in findings(line)}, (line, findings(line))

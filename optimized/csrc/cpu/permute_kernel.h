@@ -41,9 +41,9 @@ namespace {
 // ------------------------------------------------------------------ wide row moves
 // Rows of 4 KB and more go to memcpy / memset: glibc picks the CPU's fast-string path
 // (rep movsb / stosb with ERMS/FSRM), which writes whole cache lines without reading them
-// first. Measured here (one thread, 8 KB rows scattered into 4 MB): 46 us vs 57 us for the
-// 64-byte AVX-512 loop; 16 KB rows 42 vs 58; at 2 KB rows and below the loop is as fast or
-// faster (no call / startup cost).
+// first, where the 64-byte vector loop reads each destination line before writing it; at 2 KB
+// rows and below the loop is as fast or faster (no call or startup cost). docs/permute.md,
+// "Design alternatives".
 constexpr int64_t kLibcMinBytes = 4096;
 
 inline void copy_bytes(char* dst, const char* src, int64_t n) {
