@@ -40,7 +40,7 @@
 
 namespace {
 
-constexpr int64_t K = 2048, K2 = K / 2, NG = 4, kBlockPairs = 64;
+constexpr int64_t K = 2048, K2 = K / 2, NG = 4, kScaleBlockPairs = 64;
 constexpr int64_t kGroupBytes = K2 * 32, kTileBytes = NG * kGroupBytes;   // 128 KB
 volatile float sink;
 
@@ -130,9 +130,9 @@ void kern_all(const uint8_t* w, const float* s, const uint16_t* a, float* out) {
   Acc acc[R][NG];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-  for (int64_t b = 0; b < K2 / kBlockPairs; ++b) {
+  for (int64_t b = 0; b < K2 / kScaleBlockPairs; ++b) {
     const Tab t = make_tab(s[b]);
-    for (int64_t kk = b * kBlockPairs; kk < (b + 1) * kBlockPairs; ++kk) {
+    for (int64_t kk = b * kScaleBlockPairs; kk < (b + 1) * kScaleBlockPairs; ++kk) {
       W32 wv[NG];
       for (int g = 0; g < NG; ++g) wv[g] = Dec(t, w + g * kGroupBytes + kk * 32);
       for (int r = 0; r < R; ++r) {
@@ -154,9 +154,9 @@ void kern_group(const uint8_t* w, const float* s, const uint16_t* a, float* out)
     Acc acc[R];
     for (int r = 0; r < R; ++r) acc[r] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
     const uint8_t* wg = w + g * kGroupBytes;
-    for (int64_t b = 0; b < K2 / kBlockPairs; ++b) {
+    for (int64_t b = 0; b < K2 / kScaleBlockPairs; ++b) {
       const Tab t = make_tab(s[b]);
-      for (int64_t kk = b * kBlockPairs; kk < (b + 1) * kBlockPairs; ++kk) {
+      for (int64_t kk = b * kScaleBlockPairs; kk < (b + 1) * kScaleBlockPairs; ++kk) {
         const W32 wv = Dec(t, wg + kk * 32);
         for (int r = 0; r < R; ++r) acc[r] = dp(acc[r], x_pair(a + r * K + 2 * kk), wv);
       }
@@ -191,7 +191,7 @@ void reference(const uint8_t* w, const float* s, const uint16_t* a, int R, float
         float acc = 0.0f;
         for (int64_t kk = 0; kk < K2; ++kk) {
           const uint8_t* p = w + g * kGroupBytes + kk * 32 + 2 * c;
-          const float sc = s[kk / kBlockPairs];
+          const float sc = s[kk / kScaleBlockPairs];
           const float w0 = bf16_f(bf16_rne(e4m3(p[0]) * sc)), w1 = bf16_f(bf16_rne(e4m3(p[1]) * sc));
           acc = std::fma(bf16_f(a[r * K + 2 * kk]), w0, acc);
           acc = std::fma(bf16_f(a[r * K + 2 * kk + 1]), w1, acc);

@@ -35,7 +35,7 @@
 namespace {
 
 constexpr int NG = 4;           // groups of 16 columns per tile, as in the kernel
-constexpr int kBlockPairs = 16; // 32 k per e8m0 scale
+constexpr int kScaleBlockPairs = 16; // 32 k per e8m0 scale
 
 // codes: the old layout [K/4 quads][NG groups][32 bytes] (byte 2c: column c's k0 | k2 << 4,
 // byte 2c+1: k1 | k3 << 4); octets: the new one [K/8][NG][16 dwords] (dword c: nibble i =
@@ -65,7 +65,7 @@ __attribute__((noinline)) void scaled(const Data& d, float* out) {
   __m512 acc[NG];
   for (auto& a : acc) a = _mm512_setzero_ps();
   const int64_t K2 = d.K / 2;
-  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kBlockPairs, ++b) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kScaleBlockPairs, ++b) {
     __m512i ev[NG];
     for (int g = 0; g < NG; ++g) {
       __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(d.scales.data() + (b * NG + g) * 16)));
@@ -73,7 +73,7 @@ __attribute__((noinline)) void scaled(const Data& d, float* out) {
                                    _mm512_set1_epi32(0xffff));
       ev[g] = _mm512_or_si512(e, _mm512_slli_epi32(e, 16));
     }
-    for (int64_t kk = k0; kk < k0 + kBlockPairs; kk += 2) {
+    for (int64_t kk = k0; kk < k0 + kScaleBlockPairs; kk += 2) {
       for (int g = 0; g < NG; ++g) {
         const __m512i bb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(d.codes.data() + ((kk / 2) * NG + g) * 32)));
         const __m512i c0 = _mm512_and_si512(bb, _mm512_set1_epi16(0x0f));
@@ -103,13 +103,13 @@ __attribute__((noinline)) void rescaled_old_layout(const Data& d, float* out) {
     prev[g] = _mm512_set1_epi32(127);
   }
   const int64_t K2 = d.K / 2;
-  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kBlockPairs, ++b) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kScaleBlockPairs, ++b) {
     for (int g = 0; g < NG; ++g) {
       const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(d.scales.data() + (b * NG + g) * 16)));
       acc[g] = _mm512_mul_ps(acc[g], pow2_diff(prev[g], s));
       prev[g] = s;
     }
-    for (int64_t kk = k0; kk < k0 + kBlockPairs; kk += 2) {
+    for (int64_t kk = k0; kk < k0 + kScaleBlockPairs; kk += 2) {
       for (int g = 0; g < NG; ++g) {
         const __m512i bb = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i*)(d.codes.data() + ((kk / 2) * NG + g) * 32)));
         const __m512i v0 = _mm512_permutexvar_epi16(bb, kLut);
@@ -131,13 +131,13 @@ __attribute__((noinline)) void rescaled(const Data& d, float* out) {
     prev[g] = _mm512_set1_epi32(127);
   }
   const int64_t K2 = d.K / 2;
-  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kBlockPairs, ++b) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += kScaleBlockPairs, ++b) {
     for (int g = 0; g < NG; ++g) {
       const __m512i s = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(d.scales.data() + (b * NG + g) * 16)));
       acc[g] = _mm512_mul_ps(acc[g], pow2_diff(prev[g], s));
       prev[g] = s;
     }
-    for (int64_t kk = k0; kk < k0 + kBlockPairs; kk += 4) {
+    for (int64_t kk = k0; kk < k0 + kScaleBlockPairs; kk += 4) {
       for (int g = 0; g < NG; ++g) {
         const __m512i o = _mm512_loadu_si512((const void*)(d.octets.data() + ((kk / 4) * NG + g) * 64));
         const __m512i v0 = _mm512_permutexvar_epi16(o, kLut);

@@ -65,26 +65,26 @@ constexpr int64_t kWholeK = int64_t(1) << 60;
 
 // ----------------------------------------------------------------------------- decoders
 // A decoder yields, for group g (of the NG it covers) and pair kk, kStep weight vectors
-// (pairs kk .. kk+kStep-1). begin_block(b) is called before the pairs of scale block b
-// (kBlockPairs pairs each). A decoder with kRescales (mxfp4's fast one) yields unscaled
+// (pairs kk .. kk+kStep-1). begin_scale_block(b) is called before the pairs of scale block b
+// (kScaleBlockPairs pairs each). A decoder with kRescales (mxfp4's fast one) yields unscaled
 // weights and a factor per group that the accumulators are multiplied by at each block start
 // and, with b = the number of blocks, once more at the end (Mx4Dec).
 
 // bf16 in VNNI order already (the packed bf16 tile, tile-major: groups 32 elements apart).
 struct LoadDec {
   static constexpr int kStep = 1;
-  static constexpr int64_t kBlockPairs = kWholeK;
+  static constexpr int64_t kScaleBlockPairs = kWholeK;
   static constexpr bool kRescales = false;
   const uint16_t* base;
   int64_t kstride;   // elements between pairs (32 x the tile's groups)
-  void begin_block(int64_t) {}
+  void begin_scale_block(int64_t) {}
   void get(int g, int64_t kk, W32* w) const { w[0] = w_load(base + g * 32 + kk * kstride); }
 };
 
 // The exact element-by-element decoder (formats.h). q: fe::kFP8 or fe::kMXFP4.
 struct ExactDec {
   static constexpr int kStep = 1;
-  static constexpr int64_t kBlockPairs = kWholeK;
+  static constexpr int64_t kScaleBlockPairs = kWholeK;
   static constexpr bool kRescales = false;
   int q;
   const uint8_t* w;          // tile's first group
@@ -93,7 +93,7 @@ struct ExactDec {
   const float* srow;         // fp8: the tile's row of 128-blocks of scales
   const uint8_t* ms;         // mxfp4: the tile's packed scales (first group)
   int64_t sgb;               // mxfp4: scale bytes per group
-  void begin_block(int64_t) {}
+  void begin_scale_block(int64_t) {}
   // fp8: the decoder of 128-k block b alone, whose first pair is k0 (pairs renumbered from 0).
   ExactDec fp8_block_view(int64_t b, int64_t k0) const {
     ExactDec v = *this;
@@ -137,7 +137,7 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 }
 
 // fp8 fast path. The tile's 64 columns lie in one 128-row scale block, so one scale per
-// 128-k block serves all groups. begin_block builds the block's decode table: for each of
+// 128-k block serves all groups. begin_scale_block builds the block's decode table: for each of
 // the 128 magnitudes c, bf16(e4m3(c) * scale) (the f32 product, narrowed as every fast path
 // narrows), in four registers of 32 words. get() then decodes 32 codes with two 64-entry
 // word permutes (vpermi2w on the low 6 bits), a blend on bit 6 and the sign flipped in from
@@ -148,13 +148,13 @@ inline __m512i narrow_pair(__m512 lo, __m512 hi) {
 // is right too). NaN codes (0x7f) never get here: their tiles are flagged slow.
 struct Fp8Dec {
   static constexpr int kStep = 1;
-  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kFp8Block / 2;
   static constexpr bool kRescales = false;
   const uint8_t* w;
   int64_t gb;
   const float* srow;
   __m512i tab[4];   // bf16(e4m3(c) * scale), c = 32 i .. 32 i + 31
-  void begin_block(int64_t b) {
+  void begin_scale_block(int64_t b) {
     const __m512 sv = _mm512_set1_ps(srow[b]);
     const float* mag = e4m3_magnitudes();
     for (int i = 0; i < 4; ++i)
@@ -197,15 +197,15 @@ alignas(64) constexpr uint8_t kFp8LaneOrder[64] = {   // lane q takes codes 8 (q
 
 struct Fp8PairDec {
   static constexpr int kStep = 2;
-  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kFp8Block / 2;
   static constexpr bool kRescales = false;
   const uint8_t* w;
   int64_t gb;
   const float* srow;
   __m512i lo0, lo1, hi0, hi1, order;   // bytes of bf16(e4m3(c) * scale), c = 0..63 / 64..127
-  void begin_block(int64_t b) {
+  void begin_scale_block(int64_t b) {
     Fp8Dec words{w, gb, srow, {}};
-    words.begin_block(b);
+    words.begin_scale_block(b);
     auto bytes = [](__m512i a, __m512i c, int shift) {
       return _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(_mm512_srli_epi16(a, shift))),
                                 _mm512_cvtepi16_epi8(_mm512_srli_epi16(c, shift)), 1);
@@ -251,20 +251,20 @@ inline __m512 mx_rescale(const uint8_t* gs, int64_t b, int64_t nb) {   // gs: on
 template <int NG>
 struct Mx4Dec {
   static constexpr int kStep = 4;
-  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kMxBlock / 2;
   static constexpr bool kRescales = true;
   const uint8_t* w;
   int64_t gb;
   const uint8_t* ms;
   int64_t sgb;
   __m512i lut;
-  __m512 factor[NG];   // what begin_block(b) multiplies the accumulators of group g by
+  __m512 factor[NG];   // what begin_scale_block(b) multiplies the accumulators of group g by
   void init() {
     lut = _mm512_broadcast_i32x8(_mm256_set_epi16(int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000),
                                                   int16_t(0xBFC0), int16_t(0xBF80), int16_t(0xBF00), int16_t(0x8000),
                                                   0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000));
   }
-  void begin_block(int64_t b) {   // b = sgb / 16 (past the last block): the final factor
+  void begin_scale_block(int64_t b) {   // b = sgb / 16 (past the last block): the final factor
     for (int g = 0; g < NG; ++g) factor[g] = mx_rescale(ms + g * sgb, b, sgb / fe::kGroupN);
   }
   void get(int g, int64_t kk, W32* out) const {
@@ -298,15 +298,15 @@ inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex.w, ex.gb, ex.srow, 
 // through the exact decoder: the same bits. No multiply.
 struct Fp8Dec {
   static constexpr int kStep = 1;
-  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kFp8Block / 2;
   static constexpr bool kRescales = false;
   ExactDec exact;
   __m256i tlo, thi;   // bytes of bf16(e4m3(i) * s), i = 0..15, in both 128-bit lanes
-  bool slow_block;
-  void begin_block(int64_t b) {
+  bool slow_scale_block;
+  void begin_scale_block(int64_t b) {
     const float s = exact.srow[b], a = s < 0.0f ? -s : s;
-    slow_block = !(a >= 0x1p-120f && a < 0x1p119f);
-    if (slow_block) return;
+    slow_scale_block = !(a >= 0x1p-120f && a < 0x1p119f);
+    if (slow_scale_block) return;
     alignas(16) uint8_t lo[16], hi[16];
     for (int i = 0; i < 16; ++i) {
       const uint16_t v = f32_to_bf16(e4m3_to_f32(uint8_t(i)) * s);
@@ -316,7 +316,7 @@ struct Fp8Dec {
     tlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
   }
-  // Only for blocks with !slow_block: run_rows and dequant send the others to `exact`, so the
+  // Only for blocks with !slow_scale_block: run_rows and dequant send the others to `exact`, so the
   // loop over a block's pairs has no branch and no call beside the vector code. 19 vector
   // instructions per 32 codes: the codes' magnitude c7 = c & 0x7f gives the index
   // (min(c7, (c & 7) | 8): m for E = 0, 8 + m otherwise), the exponent step ((c & 0x78) - 8,
@@ -361,7 +361,7 @@ inline Factor mx_rescale(const uint8_t* gs, int64_t b, int64_t nb) {   // as at 
 template <int NG>
 struct Mx4Dec {
   static constexpr int kStep = 4;
-  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kMxBlock / 2;
   static constexpr bool kRescales = true;
   const uint8_t* w;
   int64_t gb;
@@ -379,7 +379,7 @@ struct Mx4Dec {
     tlo = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo));
     thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
   }
-  void begin_block(int64_t b) {
+  void begin_scale_block(int64_t b) {
     for (int g = 0; g < NG; ++g) factor[g] = mx_rescale(ms + g * sgb, b, sgb / fe::kGroupN);
   }
   MOELAB_FE_INLINE __m256i codes(__m256i d) const {   // the low nibble of each word -> its bf16 pattern
@@ -412,15 +412,15 @@ inline void acc_rescale(Acc (&acc)[R][NG], const Factor (&f)[NG]) {
 // so 16 codes give q[0], q[1] (columns 0-7) and the next 16 q[2], q[3] after a byte zip.
 struct Fp8Dec {
   static constexpr int kStep = 1;
-  static constexpr int64_t kBlockPairs = fe::kFp8Block / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kFp8Block / 2;
   static constexpr bool kRescales = false;
   ExactDec exact;
   uint8x16_t tlo, thi;   // bytes of bf16(e4m3(i) * s), i = 0..15
-  bool slow_block;
-  void begin_block(int64_t b) {
+  bool slow_scale_block;
+  void begin_scale_block(int64_t b) {
     const float s = exact.srow[b], a = s < 0.0f ? -s : s;
-    slow_block = !(a >= 0x1p-120f && a < 0x1p119f);
-    if (slow_block) return;
+    slow_scale_block = !(a >= 0x1p-120f && a < 0x1p119f);
+    if (slow_scale_block) return;
     alignas(16) uint8_t lo[16], hi[16];
     for (int i = 0; i < 16; ++i) {
       const uint16_t v = f32_to_bf16(e4m3_to_f32(uint8_t(i)) * s);
@@ -445,7 +445,7 @@ struct Fp8Dec {
     *w0 = vaddq_u16(vreinterpretq_u16_u8(vzip1q_u8(lo, hi)), vshlq_n_u16(vmovl_u8(vget_low_u8(ea)), 7));
     *w1 = vaddq_u16(vreinterpretq_u16_u8(vzip2q_u8(lo, hi)), vshlq_n_u16(vmovl_high_u8(ea), 7));
   }
-  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {   // blocks with !slow_block only (run_rows)
+  MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {   // blocks with !slow_scale_block only (run_rows)
     const uint8_t* p = exact.w + g * exact.gb + kk * 32;
     words(vld1q_u8(p), &out[0].q[0], &out[0].q[1]);
     words(vld1q_u8(p + 16), &out[0].q[2], &out[0].q[3]);
@@ -466,7 +466,7 @@ inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex, {}, {}, true}; }
 template <int NG>
 struct Mx4Dec {
   static constexpr int kStep = 4;
-  static constexpr int64_t kBlockPairs = fe::kMxBlock / 2;
+  static constexpr int64_t kScaleBlockPairs = fe::kMxBlock / 2;
   static constexpr bool kRescales = false;
   const uint8_t* w;
   int64_t gb;
@@ -484,7 +484,7 @@ struct Mx4Dec {
     tlo = vld1q_u8(lo);
     thi = vld1q_u8(hi);
   }
-  void begin_block(int64_t b) {
+  void begin_scale_block(int64_t b) {
     for (int g = 0; g < NG; ++g) {
       const uint8x16_t sc = vld1q_u8(ms + g * sgb + b * fe::kGroupN);   // columns 0..15
       const int16x8_t lo = vreinterpretq_s16_u16(vmovl_u8(vget_low_u8(sc)));
@@ -537,27 +537,27 @@ struct Prefetch {
 };
 
 // ------------------------------------------------------------------------ the K loop
-// A decoder with a member `slow_block` (fp8 at avx2 and NEON) has a fast path only for the
-// scale blocks its begin_block accepts; run_rows and dequant send the others through its
+// A decoder with a member `slow_scale_block` (fp8 at avx2 and NEON) has a fast path only for the
+// scale blocks its begin_scale_block accepts; run_rows and dequant send the others through its
 // exact decoder in a loop of their own, so the fast loop holds no branch.
 template <class D, class = void>
-struct has_exact_blocks : std::false_type {};
+struct has_exact_scale_blocks : std::false_type {};
 template <class D>
-struct has_exact_blocks<D, std::void_t<decltype(&D::slow_block)>> : std::true_type {};
+struct has_exact_scale_blocks<D, std::void_t<decltype(&D::slow_scale_block)>> : std::true_type {};
 
 // acc[r][g] += sum over all pairs of a[r] . W[group g], pairs in increasing order.
 template <int R, int NG, class Dec>
 inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (&acc)[R][NG], Prefetch* pfp) {
   Prefetch pf = *pfp;   // a local copy, so its pointer lives in a register
   int64_t b = 0;
-  for (int64_t k0 = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
-    dec.begin_block(b);
+  for (int64_t k0 = 0; k0 < K2; k0 += Dec::kScaleBlockPairs, ++b) {
+    dec.begin_scale_block(b);
 #if MOELAB_ISA_LEVEL >= 1
     if constexpr (Dec::kRescales) acc_rescale(acc, dec.factor);
 #endif
-    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
-    if constexpr (has_exact_blocks<Dec>::value) {
-      if (dec.slow_block) {
+    const int64_t k1 = K2 - k0 < Dec::kScaleBlockPairs ? K2 : k0 + Dec::kScaleBlockPairs;
+    if constexpr (has_exact_scale_blocks<Dec>::value) {
+      if (dec.slow_scale_block) {
         ExactDec ex = dec.exact.fp8_block_view(b, k0);
         *pfp = pf;
         run_rows<R, NG>(ex, a + 2 * k0, lda, k1 - k0, acc, pfp);
@@ -591,7 +591,7 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
   }
 #if MOELAB_ISA_LEVEL >= 1
   if constexpr (Dec::kRescales) {
-    dec.begin_block(b);
+    dec.begin_scale_block(b);
     acc_rescale(acc, dec.factor);
   }
 #endif
@@ -602,11 +602,11 @@ inline void run_rows(Dec& dec, const uint16_t* a, int64_t lda, int64_t K2, Acc (
 // the blocked micro-kernel walks one pointer).
 template <int NG, class Dec>
 inline void dequant(Dec& dec, int64_t K2, uint16_t* buf, Prefetch* pf) {
-  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kBlockPairs, ++b) {
-    dec.begin_block(b);
-    const int64_t k1 = K2 - k0 < Dec::kBlockPairs ? K2 : k0 + Dec::kBlockPairs;
-    if constexpr (has_exact_blocks<Dec>::value) {
-      if (dec.slow_block) {
+  for (int64_t k0 = 0, b = 0; k0 < K2; k0 += Dec::kScaleBlockPairs, ++b) {
+    dec.begin_scale_block(b);
+    const int64_t k1 = K2 - k0 < Dec::kScaleBlockPairs ? K2 : k0 + Dec::kScaleBlockPairs;
+    if constexpr (has_exact_scale_blocks<Dec>::value) {
+      if (dec.slow_scale_block) {
         ExactDec ex = dec.exact.fp8_block_view(b, k0);
         dequant<NG>(ex, k1 - k0, buf + k0 * NG * 32, pf);
         continue;
@@ -843,7 +843,7 @@ __attribute__((noinline)) void micro_tee(const uint8_t* w, int64_t gb, const uin
     if constexpr (kScaled) {
       for (int g = 0; g < NG; ++g) _mm512_store_si512(ev[g], mx_exp_words(ms + g * sgb + blk * fe::kGroupN));
     } else {
-      dec.begin_block(blk);
+      dec.begin_scale_block(blk);
       acc_rescale(acc, dec.factor);
     }
     for (int j = 0; j < int(fe::kMxBlock / 8); ++j, oc += 64) {   // the block's 4 octets
@@ -871,7 +871,7 @@ __attribute__((noinline)) void micro_tee(const uint8_t* w, int64_t gb, const uin
     }
   }
   if constexpr (!kScaled) {
-    dec.begin_block(nb);
+    dec.begin_scale_block(nb);
     acc_rescale(acc, dec.factor);
   }
   pf->p = pfl.p;

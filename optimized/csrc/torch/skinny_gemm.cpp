@@ -14,7 +14,7 @@ namespace moelab {
 namespace {
 
 constexpr const char* kOp = "skinny_gemm";
-constexpr int64_t kRowsPerBlock = 4;         // the kernel's row tile
+constexpr int64_t kRowTile = 4;         // the kernel's row tile
 constexpr int64_t kMinBytesPerTask = 128 << 10;  // less weight per thread: fewer threads
 
 
@@ -35,13 +35,13 @@ at::Tensor skinny_gemm_cpu(const at::Tensor& x, const at::Tensor& weight,
   void* op = out.data_ptr();
   const int64_t ldx = x.stride(0), ldw = weight.stride(0);
   const Fmt fmt = fmt_of(x);
-  // Work unit: a block of 4 output features (the kernel's row tile); a thread streams its
-  // own weight rows. Small weights run on one thread (a fork costs more than it saves).
-  const int64_t blocks = (N + kRowsPerBlock - 1) / kRowsPerBlock;
-  const int64_t block_bytes = kRowsPerBlock * K * static_cast<int64_t>(x.element_size());
-  const int64_t grain = std::max<int64_t>(1, (kMinBytesPerTask + block_bytes - 1) / block_bytes);
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    fn(xp, ldx, wp, ldw, bp, op, N, fmt, T, K, b0 * kRowsPerBlock, std::min(N, b1 * kRowsPerBlock));
+  // Work unit: a row tile of 4 output features; a thread streams its own weight rows. Small
+  // weights run on one thread (a fork costs more than it saves).
+  const int64_t tiles = (N + kRowTile - 1) / kRowTile;
+  const int64_t tile_bytes = kRowTile * K * static_cast<int64_t>(x.element_size());
+  const int64_t grain = std::max<int64_t>(1, (kMinBytesPerTask + tile_bytes - 1) / tile_bytes);
+  at::parallel_for(0, tiles, grain, [&](int64_t t0, int64_t t1) {
+    fn(xp, ldx, wp, ldw, bp, op, N, fmt, T, K, t0 * kRowTile, std::min(N, t1 * kRowTile));
   });
   return out;
 }
