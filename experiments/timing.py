@@ -234,7 +234,9 @@ def cache_bandwidth(nbytes: int) -> float:
     """Bytes/s over a working set that stays in the caches, on this run's threads: the faster of
     an f32 sum over a buffer of `size` bytes (bytes read) and a copy between two buffers of size/2
     (bytes read + written), size = max(nbytes, 1 MiB) (below 1 MiB the call overhead, not the
-    cache, would decide). Medians of interleaved rounds; memoized per size for the run. A
+    cache, would decide). The fastest pass of interleaved rounds, as the read probe takes its
+    fastest (a floor is what the machine can do, so a median of a noisy machine's passes is
+    not one); memoized per size for the run. A
     benchmark row's floor at its own working-set size: whatever of it stays resident between
     calls stays resident here too (also just above the last-level cache, where part of it does)."""
     size = max(int(nbytes), 1 << 20)
@@ -243,7 +245,7 @@ def cache_bandwidth(nbytes: int) -> float:
         x = torch.ones(size // 4, dtype=torch.float32)
         a, b = torch.ones(size // 8, dtype=torch.float32), torch.empty(size // 8, dtype=torch.float32)
         t = compare({"sum": lambda: x.sum(), "copy": lambda: b.copy_(a)}, rounds=3, min_time=0.05)
-        _cache_bw[size] = max(size / t["sum"].median, size / t["copy"].median)
+        _cache_bw[size] = max(size / min(t["sum"].times), size / min(t["copy"].times))
     return _cache_bw[size]
 
 
