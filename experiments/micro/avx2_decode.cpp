@@ -36,6 +36,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -106,9 +107,10 @@ inline W32 dec_cmpgt(const Tab& t, const uint8_t* p) {
           _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 7))};
 }
 
-// The kernel's decoder (Fp8Dec::get at avx2, "min"): m7 = c & 0x7f serves the index (min with (c & 7) | 8: E = 0 gives m, E >= 1
-// gives 8 + m) and the exponent step ((c & 0x78) - 8, saturated: (E - 1) << 3, 0 for E = 0),
-// which the byte unpack with zero puts at bit 3 of a word and a shift by 4 moves to bit 7.
+// The kernel's decoder (Fp8Dec::get at avx2, "min"): m7 = c & 0x7f serves the index (min with
+// (c & 7) | 8: E = 0 gives m, E >= 1 gives 8 + m) and the exponent step ((c & 0x78) - 8,
+// saturated: (E - 1) << 3, 0 for E = 0), which the byte unpack with zero puts at bit 3 of a
+// word and a shift by 4 moves to bit 7.
 inline W32 dec_min(const Tab& t, const uint8_t* p) {
   const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)p), _MM_SHUFFLE(3, 1, 2, 0));
   const __m256i k8 = _mm256_set1_epi8(0x08);
@@ -168,20 +170,20 @@ void kern_group(const uint8_t* w, const float* s, const uint16_t* a, float* out)
   }
 }
 
-template <template <int> class F>
-Kern by_rows() {
-  return [](const uint8_t* w, const float* s, const uint16_t* a, int R, float* out) {
-    switch (R) {
-      case 1: F<1>::run(w, s, a, out); break;
-      case 2: F<2>::run(w, s, a, out); break;
-      case 3: F<3>::run(w, s, a, out); break;
-      default: F<4>::run(w, s, a, out); break;
-    }
+// One loop shape (all groups per k pair, or group by group) and decoder, for R = 1..4 rows.
+template <W32 (*Dec)(const Tab&, const uint8_t*), bool kAllGroups>
+void fp8_rows(const uint8_t* w, const float* s, const uint16_t* a, int R, float* out) {
+  auto run = [&](auto r) {
+    if constexpr (kAllGroups) kern_all<decltype(r)::value, Dec>(w, s, a, out);
+    else kern_group<decltype(r)::value, Dec>(w, s, a, out);
   };
+  switch (R) {
+    case 1: run(std::integral_constant<int, 1>{}); break;
+    case 2: run(std::integral_constant<int, 2>{}); break;
+    case 3: run(std::integral_constant<int, 3>{}); break;
+    default: run(std::integral_constant<int, 4>{}); break;
+  }
 }
-template <int R> struct KernCmpgt { static void run(const uint8_t* w, const float* s, const uint16_t* a, float* o) { kern_all<R, dec_cmpgt>(w, s, a, o); } };
-template <int R> struct KernMin { static void run(const uint8_t* w, const float* s, const uint16_t* a, float* o) { kern_all<R, dec_min>(w, s, a, o); } };
-template <int R> struct KernGroup { static void run(const uint8_t* w, const float* s, const uint16_t* a, float* o) { kern_group<R, dec_cmpgt>(w, s, a, o); } };
 
 // The exact decoder and the same fma sequence, in scalar code.
 void reference(const uint8_t* w, const float* s, const uint16_t* a, int R, float* out) {
@@ -378,7 +380,7 @@ int main(int argc, char** argv) {
 
   // One variant: a name, the bytes of one tile, and a call over the tile at w.
   struct V { std::string name; int64_t tile; std::function<void(const uint8_t*, int, float*)> run; };
-  const Kern fp8[] = {by_rows<KernCmpgt>(), by_rows<KernMin>(), by_rows<KernGroup>()};
+  const Kern fp8[] = {fp8_rows<dec_cmpgt, true>, fp8_rows<dec_min, true>, fp8_rows<dec_cmpgt, false>};
   const char* fp8_names[] = {"fp8 cmpgt", "fp8 min", "fp8 group"};
   const MxKern mx[] = {mx_by_rows<mx_words>(), mx_by_rows<mx_bytes>()};
   const char* mx_names[] = {"mxfp4 words", "mxfp4 bytes"};
