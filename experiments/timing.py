@@ -391,10 +391,15 @@ class Rotating:
     loop measures the cache instead (a pitfall DESIGN.md names). `Rotating(make, nbytes)`
     builds enough copies (make() each) that together they exceed `cold_bytes`, and at least
     `min_copies` (more copies average over where each one happens to sit in memory).
+    `cold_bytes` defaults to twice the last-level cache and at least 384 MiB: a fixed count
+    of copies is not enough, a 300 MB L3 holds 64 copies of a 3 MB gate weight. `max_copies`
+    only bounds the Python objects for weights of a few KB.
     """
 
-    def __init__(self, make: Callable[[], object], nbytes: int, cold_bytes: int = 384 << 20,
-                 max_copies: int = 64, min_copies: int = 2):
+    def __init__(self, make: Callable[[], object], nbytes: int, cold_bytes: int | None = None,
+                 max_copies: int = 4096, min_copies: int = 2):
+        if cold_bytes is None:
+            cold_bytes = max(384 << 20, 2 * llc_bytes())
         n = max(min_copies, min(max_copies, -(-cold_bytes // max(nbytes, 1))))
         self.items = [make() for _ in range(n)]
         self.i = 0

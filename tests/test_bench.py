@@ -255,3 +255,21 @@ def test_machine_id_names_the_isa_level():
             assert timing.machine_id().endswith("-scalar-capped")
             assert timing.results_dir("r").name == timing.machine_id()
     assert timing.machine_id().endswith(f"-{top}")
+
+
+def test_rotating_copies_exceed_twice_the_last_level_cache(monkeypatch):
+    """Cold rows rotate through copies that together exceed twice the LLC (and 384 MiB): a
+    300 MB L3 must not hold them all (a fixed cap of 64 copies of a 3 MB weight did)."""
+    made = []
+
+    def make():
+        made.append(1)
+        return len(made)
+
+    monkeypatch.setattr(timing, "llc_bytes", lambda: 300 << 20)
+    r = timing.Rotating(make, 3 << 20)
+    assert len(r.items) * (3 << 20) >= 2 * (300 << 20) and len(r.items) == 200
+    monkeypatch.setattr(timing, "llc_bytes", lambda: 16 << 20)
+    assert len(timing.Rotating(make, 3 << 20).items) == 128                 # 384 MiB / 3 MiB
+    assert len(timing.Rotating(make, 1 << 30).items) == 2                   # at least min_copies
+    assert len(timing.Rotating(make, 16, max_copies=8).items) == 8          # bounded for tiny weights
