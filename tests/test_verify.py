@@ -650,3 +650,41 @@ def test_route_serial_selection_is_verified_and_a_broken_one_is_caught(monkeypat
     monkeypatch.setattr(opt_route, "route_variant", broken)
     r = runner.run_case(REG["route"], s)
     assert not r.ok and r.kind == "batch_invariance" and "selection=serial" in r.message, r
+
+
+def _cell_structures(monkeypatch, seed):
+    """The structures one route cell draws (30 cases, no shrinking), in order."""
+    seen = []
+    real = runner.run_case
+
+    def record(entry, structure, fn, ops):
+        seen.append(json.dumps(structure, sort_keys=True))
+        return real(entry, structure, fn, ops)
+
+    monkeypatch.setattr(runner, "run_case", record)
+    runner.run_cell(REG["route"], "cpu", "uniform", 0.0, seed=seed, shrink=False, min_cases=30)
+    monkeypatch.setattr(runner, "run_case", real)
+    return seen
+
+
+def test_cases_do_not_depend_on_the_modules_the_process_imported(monkeypatch, tmp_path):
+    """Hypothesis draws some values from the literal constants of the project's modules loaded
+    in the process; the runner turns that off (runner._no_local_constants), so a cell draws the
+    same cases alone and at the end of the full suite. Planted: a newly imported local module
+    full of integer constants. Without the guard the same seed draws other cases."""
+    from hypothesis.internal.conjecture import providers as prov
+    saved = prov._local_constants
+    before = _cell_structures(monkeypatch, seed=11)
+    (tmp_path / "moelab_planted_constants.py").write_text(
+        "VALUES = [" + ", ".join(str(7 + 13 * i) for i in range(400)) + "]\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import moelab_planted_constants  # noqa: F401  (its constants are what hypothesis would pick up)
+    try:
+        assert _cell_structures(monkeypatch, seed=11) == before
+        import contextlib
+        monkeypatch.setattr(runner, "_no_local_constants", contextlib.nullcontext)
+        assert _cell_structures(monkeypatch, seed=11) != before, "the planted constants changed nothing"
+    finally:   # the other tests' hypothesis draws see the constants they saw before
+        sys.modules.pop("moelab_planted_constants", None)
+        prov._local_constants = saved
+        prov.CONSTANTS_CACHE.cache.clear()

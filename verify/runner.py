@@ -27,6 +27,7 @@ import sys
 import time
 import traceback
 from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence
@@ -272,6 +273,28 @@ class _CaseFailed(Exception):
     pass
 
 
+@contextmanager
+def _no_local_constants():
+    """Hypothesis mixes into its draws (about one in twenty) the literal constants of every
+    module of this project the process has imported (its "local constants", rescanned whenever
+    sys.modules grows). The cases of a cell would then depend on what else the process ran: the
+    full test suite drew other cases than a single test with the same seed. Within this context
+    the local set is empty, so a cell's cases are a function of its seed and arguments alone;
+    hypothesis's built-in constants (0, -1, the float edge cases ...) stay. Private API,
+    checked by tests/test_verify.py; where a hypothesis release lacks it, every cell reports a
+    verify error (it is never skipped silently)."""
+    from hypothesis.internal.conjecture import providers as prov
+    saved = prov._get_local_constants
+    empty = prov.Constants()
+    prov._get_local_constants = lambda: empty
+    prov.CONSTANTS_CACHE.cache.clear()
+    try:
+        yield
+    finally:
+        prov._get_local_constants = saved
+        prov.CONSTANTS_CACHE.cache.clear()
+
+
 def structure_strategy(entry: OpInfo, backend: str, dist: str, fixed: Optional[dict] = None):
     fixed = dict(fixed or {})
 
@@ -324,7 +347,8 @@ def run_cell(entry: OpInfo, backend: str, dist: str, budget_s: float, seed: int 
         before = stats.cases
         runner = hyp_seed(rng.getrandbits(63))(cfg(given(strategy)(test)))
         try:
-            runner()
+            with _no_local_constants():
+                runner()
         except _CaseFailed:
             pass
         except Exception as e:      # hypothesis trouble (flaky, unsatisfiable): report, never hide
