@@ -4,7 +4,8 @@ Three entry points:
   * `cases(quick)` for `python -m experiments.bench --ops fused_experts`: decode points
     against the eager way with pre-dequantized bf16 weights (a Python loop over the routed
     experts, F.linear, the activation in torch, index_add_), prefill points against a dense
-    bf16 matmul of the same work (target: ratio >= 0.5, i.e. >= 50% of its GFLOP/s).
+    matmul of the same work: bf16 where the CPU has native bf16 (target: ratio >= 0.5, i.e.
+    >= 50% of its GFLOP/s), elsewhere the faster of bf16 and f32 (>= 0.6 against f32, issue 32).
   * `dispatch_grid(...)`: rows of the dispatch experiment (shape x batch size x concentrated
     routing x policy), for the notebook.
   * `python -m experiments.cases_fused_experts [--quick] [--grid] [--csv DIR]`: every target
@@ -240,16 +241,32 @@ def decode_points(quick: bool):
     return out
 
 
-def prefill_dense(d: ShapeData, rows: int):
-    """A dense bf16 matmul of the same work as `rows` routed rows: [rows, H] x [H, 2I], then
-    [rows, I] x [I, H] (weights of one expert, so nothing but the GEMMs)."""
-    H, I = d.s["H"], d.s["I"]
+def prefill_dense(name: str, rows: int, dtype: torch.dtype = torch.bfloat16):
+    """A dense matmul of the same work as `rows` routed rows of shape `name`: [rows, H] x
+    [H, 2I], then [rows, I] x [I, H] (weights of one expert, so nothing but the GEMMs)."""
+    H, I = SHAPES[name]["H"], SHAPES[name]["I"]
     g = torch.Generator().manual_seed(5)
-    X = torch.randn(rows, H, generator=g).bfloat16()
-    A = torch.randn(rows, I, generator=g).bfloat16()
-    W1 = (torch.randn(2 * I, H, generator=g) / H ** 0.5).bfloat16()
-    W2 = (torch.randn(H, I, generator=g) / I ** 0.5).bfloat16()
+    X = torch.randn(rows, H, generator=g).to(dtype)
+    A = torch.randn(rows, I, generator=g).to(dtype)
+    W1 = (torch.randn(2 * I, H, generator=g) / H ** 0.5).to(dtype)
+    W2 = (torch.randn(H, I, generator=g) / I ** 0.5).to(dtype)
     return lambda: (F.linear(X, W1), F.linear(A, W2))
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (the avx512_bf16 level); elsewhere torch's bf16
+    GEMM is a slow fallback, and a user would run the dense baseline in f32."""
+    return optimized.backend_info()["detected"] == "avx512_bf16"
+
+
+def prefill_baseline_dtype(name: str, rows: int) -> torch.dtype:
+    """The dense prefill baseline's dtype: bf16 where the CPU has native bf16; elsewhere the
+    faster of bf16 and f32, timed here (a few interleaved rounds)."""
+    if native_bf16():
+        return torch.bfloat16
+    t = timing.compare({"bf16": prefill_dense(name, rows), "f32": prefill_dense(name, rows, torch.float32)},
+                       rounds=3, min_time=0.05)
+    return torch.float32 if t["f32"].median < t["bf16"].median else torch.bfloat16
 
 
 def cases(quick: bool):
@@ -275,15 +292,19 @@ def cases(quick: bool):
             tw, ids = routing("uniform", PREFILL_T, s["E"], s["K"], seed=1)
             x = _x(PREFILL_T, s["H"])
             dense = {}
+            rows = PREFILL_T * s["K"]
+            dtype = prefill_baseline_dtype(name, rows)
 
-            def eager(d, rows=PREFILL_T * s["K"], name=name):
+            def eager(d, rows=rows, name=name, dtype=dtype):
                 if name not in dense:
-                    dense[name] = prefill_dense(d, rows)
+                    dense[name] = prefill_dense(name, rows, dtype)
                 return dense[name]()
 
-            out.append(Case("fused_experts", f"prefill {name} T={PREFILL_T} (vs dense bf16)",
+            # target: issue 5's 0.5 of torch's native bf16 GEMM; issue 32's 0.6 of an f32 GEMM
+            base = "bf16" if dtype == torch.bfloat16 else "f32"
+            out.append(Case("fused_experts", f"prefill {name} T={PREFILL_T} (vs dense {base})",
                             _Lazy(name, eager), _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
-                            nbytes=s["E"] * _expert_bytes(name), target=0.5,
+                            nbytes=s["E"] * _expert_bytes(name), target=0.5 if base == "bf16" else 0.6,
                             peers=_Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.peer_set().peers(x, tw, ids)),
                             peer_target=PEER_TARGET[s["quant"]], cold=True))
         s = SHAPES["olmoe-1b-7b"]
@@ -452,13 +473,15 @@ def run_targets(quick: bool, rounds: int):
             s = d.s
             tw, ids = routing("uniform", PREFILL_T, s["E"], s["K"], seed=1)
             x = _x(PREFILL_T, s["H"])
-            dense = prefill_dense(d, PREFILL_T * s["K"])
+            dtype = prefill_baseline_dtype(name, PREFILL_T * s["K"])
+            dense = prefill_dense(name, PREFILL_T * s["K"], dtype)
             t = timing.compare({"dense": dense, "ours": lambda: d.ours(x, tw, ids)}, rounds=max(3, rounds // 2),
                                min_time=0.2)
             fl = d.flops(ids)
+            goal = 0.5 if dtype == torch.bfloat16 else 0.6
             row(f"prefill {name} T={PREFILL_T}", t, "dense", s["E"] * d.expert_bytes, fl,
-                ">=50% of dense GFLOP/s", lambda r: r["speedup"] >= 0.5,
-                dense_GFLOPs=fl / t["dense"].median / 1e9)
+                f">={goal:.0%} of dense {str(dtype).removeprefix('torch.')} GFLOP/s",
+                lambda r, goal=goal: r["speedup"] >= goal, dense_GFLOPs=fl / t["dense"].median / 1e9)
     return bw, bw_best, rows
 
 

@@ -9,6 +9,7 @@ import io
 import time
 
 import pytest
+import torch
 
 from experiments import bench, timing
 from experiments.bench import Case
@@ -273,3 +274,25 @@ def test_rotating_copies_exceed_twice_the_last_level_cache(monkeypatch):
     assert len(timing.Rotating(make, 3 << 20).items) == 128                 # 384 MiB / 3 MiB
     assert len(timing.Rotating(make, 1 << 30).items) == 2                   # at least min_copies
     assert len(timing.Rotating(make, 16, max_copies=8).items) == 8          # bounded for tiny weights
+
+
+def test_prefill_baseline_is_the_faster_dense_dtype_without_native_bf16(monkeypatch):
+    """Prefill's dense baseline: bf16 on a CPU with native bf16; elsewhere whichever of bf16
+    and f32 runs faster (torch's bf16 GEMM is a slow fallback there, issue 32)."""
+    from experiments import cases_fused_experts as cfe
+    delay = {torch.bfloat16: 2e-3, torch.float32: 1e-3}
+    monkeypatch.setattr(cfe, "prefill_dense", lambda name, rows, dtype=torch.bfloat16: _sleeper(delay[dtype]))
+    monkeypatch.setattr(cfe, "native_bf16", lambda: False)
+    assert cfe.prefill_baseline_dtype("qwen3-30b-a3b", 8) == torch.float32
+    delay = {torch.bfloat16: 1e-3, torch.float32: 2e-3}
+    assert cfe.prefill_baseline_dtype("qwen3-30b-a3b", 8) == torch.bfloat16
+    delay = {torch.bfloat16: 2e-3, torch.float32: 1e-3}
+    monkeypatch.setattr(cfe, "native_bf16", lambda: True)                  # not timed: bf16
+    assert cfe.prefill_baseline_dtype("qwen3-30b-a3b", 8) == torch.bfloat16
+
+
+def test_prefill_dense_runs_the_shapes_gemms_in_the_dtype_asked():
+    from experiments import cases_fused_experts as cfe
+    h, y = cfe.prefill_dense("qwen3-30b-a3b", 3, torch.float32)()
+    assert h.dtype == y.dtype == torch.float32 and h.shape == (3, 2 * 768) and y.shape == (3, 2048)
+    assert cfe.prefill_dense("qwen3-30b-a3b", 3)()[0].dtype == torch.bfloat16
