@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import math
 import statistics
 import sys
@@ -84,7 +85,7 @@ class ShapeData:
         E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
         w13, w2, s13, s2 = random_weights(q, 1, H, I)
         self.expert_bytes = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
-        seeds = iter(range(1000))
+        seeds = itertools.count()
 
         self.min_copies = min_copies
         self.packed = Rotating(lambda: self._packed(q, E, H, I, next(seeds)), E * self.expert_bytes,
@@ -125,7 +126,7 @@ class ShapeData:
         if getattr(self, "_std", None) is None:
             s = self.s
             E, H, I, q = s["E"], s["H"], s["I"], s["quant"]
-            seeds = iter(range(2000, 3000))
+            seeds = itertools.count(2000)
             self._std = Rotating(lambda: random_weights(q, E, H, I, seed=next(seeds)), E * self.expert_bytes,
                                  min_copies=self.min_copies)
             for w in self._std.items:
