@@ -173,7 +173,7 @@ def read_bandwidth(nbytes: int = 256 << 20, rounds: int = 3, min_time: float = 0
     with and without a software prefetch ahead of each stream. The best over S in STREAMS, the
     prefetch distances in PREFETCH and the interleaved rounds: the fastest pass, not a median,
     because this shared machine's bandwidth changes regime within a run (2 threads: 35 to 66
-    GB/s, results/amd-epyc-2c-avx512_bf16/read_bandwidth.txt), and a floor must hold in the fast phase too.
+    GB/s, results/amd-epyc-zen-5-2c-avx512_bf16/read_bandwidth.txt), and a floor must hold in the fast phase too.
     No kernel that must read those bytes can read them faster, so a bench row's fraction of it
     is at most 1 up to noise.
     (The earlier probe, a torch f32 sum over 4 KiB pages, is `read_bandwidth_torch_sum`: our
@@ -249,20 +249,59 @@ def cache_bandwidth(nbytes: int) -> float:
     return _cache_bw[size]
 
 
+# Core names of the (vendor, family) -> model ranges whose CPUs a hypervisor often reports under a
+# generic model name ("AMD EPYC", "Intel(R) Xeon(R) Processor"): Zen 2 and Zen 3 EPYCs would
+# otherwise share a results folder.
+_CORES = {
+    ("AuthenticAMD", 0x17): [(0x00, 0x2f, "Zen"), (0x30, 0xff, "Zen 2")],
+    ("AuthenticAMD", 0x19): [(0x00, 0x0f, "Zen 3"), (0x10, 0x1f, "Zen 4"), (0x20, 0x5f, "Zen 3"),
+                             (0x60, 0x7f, "Zen 4"), (0xa0, 0xaf, "Zen 4")],
+    ("AuthenticAMD", 0x1a): [(0x00, 0xff, "Zen 5")],
+    ("GenuineIntel", 6): [(0x55, 0x55, "Skylake-SP"), (0x6a, 0x6c, "Ice Lake-SP"),
+                          (0x8f, 0x8f, "Sapphire Rapids"), (0xcf, 0xcf, "Emerald Rapids"),
+                          (0xad, 0xae, "Granite Rapids")],
+}
+
+
+def core_name(vendor: str, family: int, model: int) -> str:
+    """The core of a CPU from its cpuid vendor, family and model, e.g. `Zen 3`, or `family F
+    model M` when the table above does not know it."""
+    for lo, hi, name in _CORES.get((vendor, family), []):
+        if lo <= model <= hi:
+            return name
+    return f"family {family} model {model}"
+
+
+def cpu_name(cpuinfo: str | None = None) -> str:
+    """The CPU's model name; a name with no model number in it (a hypervisor's generic one)
+    gets its core in parentheses, e.g. `AMD EPYC (Zen 3)`."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return platform.processor() or "unknown"
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        if not line.strip():
+            break   # the first processor's block is enough
+        key, _, value = line.partition(":")
+        fields.setdefault(key.strip(), value.strip())
+    name = fields.get("model name") or platform.processor() or "unknown"
+    if any(c.isdigit() for c in name):
+        return name
+    try:
+        core = core_name(fields.get("vendor_id", ""), int(fields["cpu family"]), int(fields["model"]))
+    except (KeyError, ValueError):
+        return name
+    return f"{name} ({core})"
+
+
 def machine() -> dict[str, str]:
     """Where a result was measured: CPU model, ISA used, threads, torch version, the 1-minute
     load average now (above `cores` the machine was shared while measuring), and the GPU,
     its CUDA/HIP version and driver when torch sees one."""
-    model = platform.processor() or "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    info = {"cpu": model, "threads": str(torch.get_num_threads()), "torch": torch.__version__,
+    info = {"cpu": cpu_name(), "threads": str(torch.get_num_threads()), "torch": torch.__version__,
             "cores": str(os.cpu_count())}
     try:
         import optimized
@@ -287,8 +326,9 @@ def machine() -> dict[str, str]:
 
 def machine_id() -> str:
     """A short folder-friendly name of this machine and the ISA level the kernels run at,
-    for results/<machine>/: CPU model, core count and level, e.g. `amd-epyc-2c-avx2`; a level
-    capped below the CPU's (MOELAB_ISA) says so, e.g. `amd-epyc-2c-avx2-capped`, so results of
+    for results/<machine>/: CPU model (cpu_name), core count and level, e.g.
+    `amd-epyc-zen-3-2c-avx2`; a level capped below the CPU's (MOELAB_ISA) says so, e.g.
+    `amd-epyc-zen-5-2c-avx2-capped`, so results of
     two CPUs, or of two levels of one CPU, never share a folder. The threads a result used
     are in its stamp."""
     m = machine()

@@ -258,6 +258,22 @@ def test_machine_id_names_the_isa_level():
     assert timing.machine_id().endswith(f"-{top}")
 
 
+def test_cpu_name_adds_the_core_to_a_generic_model_name():
+    """A hypervisor's generic model name gets the core from cpuid's family and model, so a Zen 2
+    and a Zen 3 EPYC write different results folders; a name with a model number stays."""
+    def info(name, vendor, family, model):
+        return (f"processor\t: 0\nvendor_id\t: {vendor}\ncpu family\t: {family}\nmodel\t\t: {model}\n"
+                f"model name\t: {name}\n\nprocessor\t: 1\nmodel name\t: other\n")
+    assert timing.cpu_name(info("AMD EPYC", "AuthenticAMD", 23, 49)) == "AMD EPYC (Zen 2)"
+    assert timing.cpu_name(info("AMD EPYC", "AuthenticAMD", 25, 1)) == "AMD EPYC (Zen 3)"
+    assert timing.cpu_name(info("AMD EPYC", "AuthenticAMD", 26, 2)) == "AMD EPYC (Zen 5)"
+    assert timing.cpu_name(info("Intel(R) Xeon(R) Processor", "GenuineIntel", 6, 143)) == \
+        "Intel(R) Xeon(R) Processor (Sapphire Rapids)"
+    assert timing.cpu_name(info("AMD EPYC", "AuthenticAMD", 99, 7)) == "AMD EPYC (family 99 model 7)"
+    assert timing.cpu_name(info("AMD EPYC 9B45 128-Core Processor", "AuthenticAMD", 26, 2)) == \
+        "AMD EPYC 9B45 128-Core Processor"
+
+
 def test_rotating_copies_exceed_twice_the_last_level_cache(monkeypatch):
     """Cold rows rotate through copies that together exceed twice the LLC (and 384 MiB): a
     300 MB L3 must not hold them all (a fixed cap of 64 copies of a 3 MB weight did)."""

@@ -193,7 +193,7 @@ def test_gpu_md_status_and_the_run_summary():
 
 
 # ---------------------------------------------------------------- the test of the test
-SRC = "[bench_models_quick.txt](experiments/results/amd-epyc-2c-avx512_bf16/bench_models_quick.txt)"
+SRC = "[bench_models_quick.txt](experiments/results/amd-epyc-zen-5-2c-avx512_bf16/bench_models_quick.txt)"
 
 
 def test_figure_parsing():
