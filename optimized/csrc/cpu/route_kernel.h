@@ -12,15 +12,17 @@
 //   3. selection: the K largest composites c = (ok << 32) | (0xFFFFFFFF - index), compared
 //      as unsigned 64-bit integers, so equal keys rank lower index first; c is unique per
 //      expert, so the top K is exactly determined and any correct algorithm gives the same
-//      ids. AVX-512: a branch-free pass keeps the R largest order keys of each of the 16
-//      lanes (R = 1, 2, 3 for K <= 8, 16, 32); the K-th largest of those 16R values is a
-//      lower bound of the row's K-th largest key (they belong to 16R distinct experts), and
-//      on random rows only ~K + 1 experts reach it (K + 2.4 for K = 8, R = 1). A second
-//      pass compresses those candidates (vpcompressd, branch-free), which are then placed
-//      by counting, for each, the candidates that beat it (8 compares per instruction). Ties or adversarial rows with
-//      more than 64 candidates, and the AVX2 / scalar levels, use a running-threshold
-//      insertion instead: a sorted list of the best K so far; a vector compare against
-//      the current K-th best skips every chunk without a better key.
+//      ids. AVX-512 and AVX2: a branch-free pass keeps the R largest order keys of each of
+//      the W lanes (W = 16: R = 1, 2, 3 for K <= 8, 16, 32; W = 8: R = 2, 3, 6); the K-th
+//      largest of those W * R values is a lower bound of the row's K-th largest key (they
+//      belong to W * R distinct experts), and on random rows only a few more than K experts
+//      reach it (K + 2.4 for K = 8, W = 16, R = 1). A second pass compresses those
+//      candidates (vpcompressd; at AVX2 a table of the 256 masks' lane lists), which are then
+//      placed by counting, for each, the candidates that beat it (8 or 4 compares per
+//      instruction). Ties or adversarial rows with more than 64 candidates, and the scalar
+//      and NEON levels, use a running-threshold insertion instead: a sorted list of the best
+//      K so far; a vector compare against the current K-th best skips every chunk without a
+//      better key.
 //      Seed 004's "before" (RouteParams::selection = kSelectSerial, reachable only through
 //      moelab::route_variant for experiments, tests and verify): select_serial, one scalar
 //      pass offering every key to that list, no lane sink, no vector skip. Same composites.
@@ -411,7 +413,7 @@ template <Fmt F> MOELAB_AI vf load_row(const void* row, int64_t i, int n) {
 }
 
 // --------------------------------------------------------------- lane top-R sink
-// AVX-512 selection, first pass: the R largest order keys of each of the 16 lanes, kept
+// Lane selection, first pass: the R largest order keys of each of the W lanes, kept
 // lane-wise sorted M[0] >= M[1] >= ... The key passes feed it as they go (no second read).
 template <int R> struct Lanes {
 #if MOELAB_ISA_LEVEL >= 2
@@ -422,6 +424,17 @@ template <int R> struct Lanes {
     for (int r = 0; r < R; ++r) {
       __m512i hi = _mm512_max_epu32(M[r], v);
       v = _mm512_min_epu32(M[r], v);
+      M[r] = hi;
+    }
+  }
+#elif MOELAB_ISA_LEVEL == 1
+  __m256i M[R > 0 ? R : 1];
+  Lanes() { for (int r = 0; r < R; ++r) M[r] = _mm256_setzero_si256(); }
+  MOELAB_AI void add(vu k, int n) {
+    __m256i v = n < 8 ? _mm256_and_si256(k.v, _mm256_castps_si256(lanes_below(n).v)) : k.v;
+    for (int r = 0; r < R; ++r) {
+      __m256i hi = _mm256_max_epu32(M[r], v);
+      v = _mm256_min_epu32(M[r], v);
       M[r] = hi;
     }
   }
@@ -690,6 +703,84 @@ template <int R> void select_lanes(const uint32_t* ok, int E, int K, const Lanes
 }
 #endif
 
+#if MOELAB_ISA_LEVEL == 1
+// AVX2's lane selection: select_lanes with 8 lanes and without vpcompressd / unsigned 64-bit
+// compares. The bound is the K-th largest of the 8R lane values (counted against the 8
+// rotations of each register); candidates are compressed through a table of the 256 lane
+// masks' index lists (vpermd-free: the list is the lane numbers, added to the chunk base), and
+// ranked by signed 64-bit compares of the composites with their top bit flipped.
+struct Compress8 {   // for each 8-bit mask, its set lanes in increasing order
+  uint8_t lane[256][8];
+  constexpr Compress8() : lane() {
+    for (int m = 0; m < 256; ++m) {
+      int n = 0;
+      for (int l = 0; l < 8; ++l)
+        if (m & (1 << l)) lane[m][n++] = uint8_t(l);
+    }
+  }
+};
+inline constexpr Compress8 kCompress8{};
+
+MOELAB_AI __m256i ge_epu32(__m256i a, __m256i b) { return _mm256_cmpeq_epi32(_mm256_max_epu32(a, b), a); }
+
+template <int R> inline uint32_t kth_largest(const __m256i* M, int K) {
+  __m256i cnt[R];
+  for (int r = 0; r < R; ++r) cnt[r] = _mm256_setzero_si256();
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), seven = _mm256_set1_epi32(7);
+  for (int s = 0; s < 8; ++s) {
+    const __m256i idx = _mm256_and_si256(_mm256_add_epi32(iota, _mm256_set1_epi32(s)), seven);
+    for (int j = 0; j < R; ++j) {
+      const __m256i rot = _mm256_permutevar8x32_epi32(M[j], idx);
+      for (int r = 0; r < R; ++r) cnt[r] = _mm256_sub_epi32(cnt[r], ge_epu32(rot, M[r]));   // += 1 where rot >= M[r]
+    }
+  }
+  __m256i best = _mm256_setzero_si256();
+  for (int r = 0; r < R; ++r)
+    best = _mm256_max_epu32(best, _mm256_and_si256(M[r], _mm256_cmpgt_epi32(cnt[r], _mm256_set1_epi32(K - 1))));
+  alignas(32) uint32_t v[8];
+  _mm256_store_si256((__m256i*)v, best);
+  uint32_t thr = 0;
+  for (int l = 0; l < 8; ++l) thr = v[l] > thr ? v[l] : thr;
+  return thr;
+}
+
+template <int R> void select_lanes(const uint32_t* ok, int E, int K, const Lanes<R>& L,
+                                   uint64_t* out, uint32_t* cidx) {
+  const __m256i vthr = _mm256_set1_epi32(int(kth_largest<R>(L.M, K)));
+  int C = 0;
+  for (int i = 0; i < E; i += 8) {     // branch-free: most chunks have no candidate
+    const __m256i k = _mm256_loadu_si256((const __m256i*)(ok + i));
+    unsigned m = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(ge_epu32(k, vthr))));
+    if (E - i < 8) m &= (1u << (E - i)) - 1u;
+    const __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)kCompress8.lane[m]));
+    _mm256_storeu_si256((__m256i*)(cidx + C), _mm256_add_epi32(lanes, _mm256_set1_epi32(i)));
+    C += __builtin_popcount(m);
+  }
+  if (C > 64) {                        // many ties at the bound: running-threshold insertion
+    TopList T;
+    for (int c = 0; c < C; ++c) offer(T, K, ok[cidx[c]], cidx[c]);
+    for (int j = 0; j < K; ++j) out[j] = T.v[j];
+    return;
+  }
+  // Composites with the top bit flipped (unsigned order as signed), 4 per register, padded
+  // with the smallest value (beats nothing).
+  alignas(32) int64_t flip[64];
+  const int nv = (C + 3) / 4;
+  for (int c = 0; c < 4 * nv; ++c)
+    flip[c] = c < C ? int64_t(composite(ok[cidx[c]], cidx[c]) ^ (uint64_t(1) << 63)) : INT64_MIN;
+  alignas(32) uint64_t placed[64];
+  for (int c = 0; c < C; ++c) {
+    const __m256i me = _mm256_set1_epi64x(flip[c]);
+    int rank = 0;
+    for (int v = 0; v < nv; ++v)
+      rank += __builtin_popcount(unsigned(_mm256_movemask_pd(
+          _mm256_castsi256_pd(_mm256_cmpgt_epi64(_mm256_load_si256((const __m256i*)(flip + 4 * v)), me)))));
+    placed[rank] = uint64_t(flip[c]) ^ (uint64_t(1) << 63);
+  }
+  for (int j = 0; j < K; ++j) out[j] = placed[j];
+}
+#endif
+
 // Seed 004's "before" on the CPU (kSelectSerial, experiments only): one scalar pass over
 // every expert in index order, each offered to the sorted top-K list; no chunk is skipped.
 inline void select_serial(const uint32_t* ok, int E, int K, uint64_t* out) {
@@ -701,7 +792,7 @@ inline void select_serial(const uint32_t* ok, int E, int K, uint64_t* out) {
 // The K best composites of ok[0..E), sorted descending (L: the lane sink fed with ok).
 template <int R> inline void select_topk(const uint32_t* ok, int E, int K, const Lanes<R>& L,
                                          uint64_t* out, uint32_t* cidx) {
-#if MOELAB_ISA_LEVEL >= 2
+#if MOELAB_ISA_LEVEL >= 1
   if constexpr (R > 0) {
     select_lanes<R>(ok, E, K, L, out, cidx);
     return;
@@ -847,7 +938,7 @@ void route_rows_r(const RouteParams& p, int64_t t0, int64_t t1) {
   }
 }
 
-// R: rows of the AVX-512 lane sink for this K (0: running-threshold selection).
+// R: rows of the lane sink for this K (0: running-threshold selection).
 template <Fmt F, Fmt B> void route_rows(const RouteParams& p, int64_t t0, int64_t t1) {
   if (p.selection == kSelectSerial) {   // experiments only (moelab::route_variant)
     route_rows_r<F, B, 0, true>(p, t0, t1);
@@ -857,6 +948,10 @@ template <Fmt F, Fmt B> void route_rows(const RouteParams& p, int64_t t0, int64_
   if (p.K <= 8) route_rows_r<F, B, 1>(p, t0, t1);
   else if (p.K <= 16) route_rows_r<F, B, 2>(p, t0, t1);
   else route_rows_r<F, B, 3>(p, t0, t1);
+#elif MOELAB_ISA_LEVEL == 1   // 8 lanes: about as many lane values per K as at 16 lanes
+  if (p.K <= 8) route_rows_r<F, B, 2>(p, t0, t1);
+  else if (p.K <= 16) route_rows_r<F, B, 3>(p, t0, t1);
+  else route_rows_r<F, B, 6>(p, t0, t1);
 #else
   route_rows_r<F, B, 0>(p, t0, t1);
 #endif
