@@ -6,9 +6,10 @@
 // Algorithm. The cast is fused into the load: bf16/f16 rows of x widen to f32 in registers,
 // so no f32 copy of x is ever written (seed 001's point). A thread owns a contiguous range of
 // experts (the binding hands them out in multiples of 4) and walks it kNE weight rows at a
-// time (6 on AVX-512, 4 on AVX2 / scalar). For each block of up to kNT = 4 tokens it keeps
-// 4 x kNE vector accumulators over the whole of H (AVX-512: 24 accumulators + 6 weight
-// vectors + 1 x vector = 31 of the 32 registers), so the weight rows are read once from
+// time (6 on AVX-512, 4 on AVX2 / NEON / scalar). For each block of up to kNT tokens (2 on
+// AVX2, else 4) it keeps kNT x kNE vector accumulators over the whole of H (AVX-512: 24
+// accumulators + 6 weight vectors + 1 x vector = 31 of the 32 registers; AVX2: 8 + 4 + 1 of
+// 16, the weights read as FMA memory operands), so the weight rows are read once from
 // memory for the first token block and from L2 for the next ones (a block of 6 rows of
 // H = 3072 is 72 KiB); x stays in L2. Every weight-row step of 64 bytes also prefetches (into
 // L2) the NEXT block's rows at the same offset, a whole block ahead; when there are several
@@ -49,10 +50,14 @@
 namespace moelab::cpu::MOELAB_ISA_NS {
 namespace {
 
-constexpr int kNT = 4;          // tokens per tile
 #if MOELAB_ISA_LEVEL >= 2
+constexpr int kNT = 4;          // tokens per tile
 constexpr int kNE = 6;          // experts per tile: 4 x 6 = 24 accumulators + 6 weight vectors + x
+#elif MOELAB_ISA_LEVEL == 1
+constexpr int kNT = 2;          // 2 x 4 = 8 accumulators + 4 weight vectors + x: 4 x 4 spills 16 ymm
+constexpr int kNE = 4;
 #else
+constexpr int kNT = 4;
 constexpr int kNE = 4;
 #endif
 constexpr int64_t kLineF = 16;  // f32 per 64-byte cache line
