@@ -214,13 +214,16 @@ void run(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bia
 // The row count R changes how many weight rows share each x load, never a row's arithmetic
 // (every row's accumulation is self-contained), so the choice below cannot change results.
 // R = 1 walks the thread's rows as ONE sequential stream, which the hardware prefetchers
-// follow best: timed here (2 threads, cold weights) 10-15% faster than R = 4 while x fits in
-// L1 next to the stream (T*K*e <= 16 KiB: T <= 4 at K = 2048, T <= 2 at K = 4096). With a
-// larger x, R = 1 would re-read x from L2 for every row; R = 4 shares each x load by 4 rows.
+// follow best: on AVX-512 timed 10-15% faster than R = 4 (2 threads, cold weights) while x
+// fits in L1 next to the stream (T*K*e <= 16 KiB: T <= 4 at K = 2048, T <= 2 at K = 4096).
+// With a larger x, R = 1 would re-read x from L2 for every row; R = 4 shares each x load by 4
+// rows. With 8 or fewer lanes R = 1 is latency-bound instead: each token's one accumulator
+// chain takes an FMA latency (4-5 cycles) per 8 weights, ~4 bytes per cycle, half the read
+// bandwidth of one core; R = 4 runs 4 chains per token.
 template <Fmt F>
 void run_rows(const void* x, int64_t ldx, const void* w, int64_t ldw, const void* bias, void* out,
               int64_t ldo, int64_t T, int64_t K, int64_t n0, int64_t n1) {
-  if (T * K * esize<F>() <= kOneRowXBytes) run<F, 1>(x, ldx, w, ldw, bias, out, ldo, T, K, n0, n1);
+  if (kVecF >= 16 && T * K * esize<F>() <= kOneRowXBytes) run<F, 1>(x, ldx, w, ldw, bias, out, ldo, T, K, n0, n1);
   else run<F, kRows>(x, ldx, w, ldw, bias, out, ldo, T, K, n0, n1);
 }
 
