@@ -16,6 +16,8 @@
 //   fp8 cmpgt  the same loop with the index from the exponent field by a compare (21 per 32)
 //   fp8 group  cmpgt one group at a time over all of K (2 accumulators per row): fewer live
 //              registers, but each accumulator's fma chain waits on the previous pair
+//   fp8 parity a 16-entry table of (mantissa, exponent parity) and the rest of the exponent
+//              step added to the high byte before the zip, so no word-wide add (17 per 32)
 //   mxfp4 words  the kernel's (Mx4Dec at avx2): per pair and 16 words, the nibble masked and 2
 //              byte lookups; accumulators in block-scale units, rescaled at each 32-k block
 //   mxfp4 bytes  all 32 low (then high) nibbles looked up at once, pairs 0 / 2 (1 / 3) split
@@ -80,17 +82,21 @@ inline __m256 dp_half(__m256 c, const XP& x, __m256i w) {
 }
 inline Acc dp(Acc c, const XP& x, const W32& w) { return {dp_half(c.lo, x, w.lo), dp_half(c.hi, x, w.hi)}; }
 
-// The 16-entry tables of one 128-k block: bytes of bf16(e4m3(i) * s), i = 0..15.
-struct Tab { __m256i lo, hi; };
+// The 16-entry tables of one 128-k block: bytes of bf16(e4m3(i) * s), i = 0..15 (lo, hi), and
+// for "fp8 parity" bytes of bf16((1 + m / 8) * 2^(p - 7) * s), entry 8p + m (plo, phi).
+struct Tab { __m256i lo, hi, plo, phi; };
 Tab make_tab(float s) {
-  alignas(16) uint8_t lo[16], hi[16];
+  alignas(16) uint8_t lo[16], hi[16], plo[16], phi[16];
   for (int i = 0; i < 16; ++i) {
     const uint16_t v = bf16_rne(e4m3(uint8_t(i)) * s);
     lo[i] = uint8_t(v & 0xff);
     hi[i] = uint8_t(v >> 8);
+    const uint16_t pv = bf16_rne(std::ldexp(1.0f + (i & 7) / 8.0f, (i >> 3) - 7) * s);
+    plo[i] = uint8_t(pv & 0xff);
+    phi[i] = uint8_t(pv >> 8);
   }
-  return {_mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)lo)),
-          _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi))};
+  auto b = [](const uint8_t* t) { return _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)t)); };
+  return {b(lo), b(hi), b(plo), b(phi)};
 }
 
 // The index from the exponent field by a compare ("cmpgt").
@@ -122,6 +128,28 @@ inline W32 dec_min(const Tab& t, const uint8_t* p) {
   const __m256i z = _mm256_setzero_si256();
   return {_mm256_add_epi16(_mm256_unpacklo_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpacklo_epi8(ea, z), 4)),
           _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 4))};
+}
+
+// "fp8 parity": the exponent step added to the high byte before the bytes are zipped, so no
+// word-wide add. e4m3(c) = (1 + m/8) * 2^(E-7) for E >= 1 = the entry 8 (E & 1) + m = c & 15
+// times 2^(2 (E >> 1)); the subnormal codes 1..7 are (1, 1, 1.5, 1, 1.25, 1.5, 1.75) x 2^-7 x
+// (1/4, 1/2, 1/2, 1, 1, 1, 1): entries (0, 8, 12, 0, 2, 4, 6) with the high byte - 1 for codes
+// 1..3; code 0 indexes with bit 7 set (pshufb gives +0). j = c7 +sat 0x78 has bit 7 clear only
+// for c7 < 8 and then indexes the corrections at 8 + c7. For s > 0 in [2^-117, 2^119): every
+// product then stays normal, so a power of two commutes with both roundings (same bits).
+inline W32 dec_par(const Tab& t, const uint8_t* p) {
+  const __m256i lx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, char(0x80), 0 ^ 1, 8 ^ 2, 12 ^ 3, 0 ^ 4, 2 ^ 5, 4 ^ 6, 6 ^ 7,
+                                      0, 0, 0, 0, 0, 0, 0, 0, char(0x80), 0 ^ 1, 8 ^ 2, 12 ^ 3, 0 ^ 4, 2 ^ 5, 4 ^ 6, 6 ^ 7);
+  const __m256i hd = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, 0, 0, 0, 0,
+                                      0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, 0, 0, 0, 0);
+  const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)p), _MM_SHUFFLE(3, 1, 2, 0));
+  const __m256i c7 = _mm256_and_si256(c, _mm256_set1_epi8(0x7f));
+  const __m256i j = _mm256_adds_epu8(c7, _mm256_set1_epi8(0x78));
+  const __m256i idx = _mm256_xor_si256(_mm256_and_si256(c, _mm256_set1_epi8(0x0f)), _mm256_shuffle_epi8(lx, j));
+  const __m256i ha = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x07)), _mm256_shuffle_epi8(hd, j));
+  const __m256i lo = _mm256_shuffle_epi8(t.plo, idx);
+  const __m256i hi = _mm256_xor_si256(_mm256_add_epi8(_mm256_shuffle_epi8(t.phi, idx), ha), _mm256_xor_si256(c, c7));
+  return {_mm256_unpacklo_epi8(lo, hi), _mm256_unpackhi_epi8(lo, hi)};
 }
 
 // acc: [R][NG][16] f32 out. w: one tile ([NG][K2][32] codes), s: 16 block scales, a: R rows of K bf16.
@@ -380,12 +408,13 @@ int main(int argc, char** argv) {
 
   // One variant: a name, the bytes of one tile, and a call over the tile at w.
   struct V { std::string name; int64_t tile; std::function<void(const uint8_t*, int, float*)> run; };
-  const Kern fp8[] = {fp8_rows<dec_cmpgt, true>, fp8_rows<dec_min, true>, fp8_rows<dec_cmpgt, false>};
-  const char* fp8_names[] = {"fp8 cmpgt", "fp8 min", "fp8 group"};
+  const Kern fp8[] = {fp8_rows<dec_cmpgt, true>, fp8_rows<dec_min, true>, fp8_rows<dec_cmpgt, false>,
+                      fp8_rows<dec_par, true>};
+  const char* fp8_names[] = {"fp8 cmpgt", "fp8 min", "fp8 group", "fp8 parity"};
   const MxKern mx[] = {mx_by_rows<mx_words>(), mx_by_rows<mx_bytes>()};
   const char* mx_names[] = {"mxfp4 words", "mxfp4 bytes"};
   std::vector<V> vars;
-  for (int i = 0; i < 3; ++i)
+  for (int i = 0; i < 4; ++i)
     vars.push_back({fp8_names[i], kTileBytes, [&, i](const uint8_t* w, int R, float* o) { fp8[i](w, scales.data(), a.data(), R, o); }});
   for (int i = 0; i < 2; ++i)
     vars.push_back({mx_names[i], kMxTileBytes, [&, i](const uint8_t* w, int R, float* o) { mx[i](w, mx_scales.data(), a.data(), R, o); }});
@@ -402,7 +431,7 @@ int main(int argc, char** argv) {
   for (int R : rows_list) {
     std::vector<float> ref(R * NG * 16), got(R * NG * 16);
     reference(mem, scales.data(), a.data(), R, ref.data());
-    for (int i = 0; i < 3; ++i) {
+    for (int i = 0; i < 4; ++i) {
       fp8[i](mem, scales.data(), a.data(), R, got.data());
       if (std::memcmp(ref.data(), got.data(), ref.size() * 4)) return std::printf("R=%d %s: bits differ\n", R, fp8_names[i]), 1;
     }

@@ -634,6 +634,14 @@ inline void select_scan(const uint32_t* ok, int E, int K, uint64_t* out) {
   for (int j = 0; j < K; ++j) out[j] = L.v[j];
 }
 
+// The running-threshold insertion over the C candidates cidx[0..C) (increasing index): the lane
+// selections' fallback when ties at the bound leave more than 64 of them.
+inline void select_among(const uint32_t* ok, const uint32_t* cidx, int C, int K, uint64_t* out) {
+  TopList T;
+  for (int c = 0; c < C; ++c) offer(T, K, ok[cidx[c]], cidx[c]);
+  for (int j = 0; j < K; ++j) out[j] = T.v[j];
+}
+
 #if MOELAB_ISA_LEVEL >= 2
 // The K-th largest of the 16R values in M[0..R) (as a multiset): the largest value v with
 // at least K values >= v. Counts by comparing against the 16 rotations of each register.
@@ -673,10 +681,8 @@ template <int R> void select_lanes(const uint32_t* ok, int E, int K, const Lanes
     C += __builtin_popcount(unsigned(m));
     idx = _mm512_add_epi32(idx, sixteen);
   }
-  if (C > 64) {                        // many ties at the bound: running-threshold insertion
-    TopList T;
-    for (int c = 0; c < C; ++c) offer(T, K, ok[cidx[c]], cidx[c]);
-    for (int j = 0; j < K; ++j) out[j] = T.v[j];
+  if (C > 64) {                        // many ties at the bound
+    select_among(ok, cidx, C, K, out);
     return;
   }
   // Composites of the candidates, 8 per register, zero-padded (0 beats nothing).
@@ -756,10 +762,8 @@ template <int R> void select_lanes(const uint32_t* ok, int E, int K, const Lanes
     _mm256_storeu_si256((__m256i*)(cidx + C), _mm256_add_epi32(lanes, _mm256_set1_epi32(i)));
     C += __builtin_popcount(m);
   }
-  if (C > 64) {                        // many ties at the bound: running-threshold insertion
-    TopList T;
-    for (int c = 0; c < C; ++c) offer(T, K, ok[cidx[c]], cidx[c]);
-    for (int j = 0; j < K; ++j) out[j] = T.v[j];
+  if (C > 64) {                        // many ties at the bound
+    select_among(ok, cidx, C, K, out);
     return;
   }
   // Composites with the top bit flipped (unsigned order as signed), 4 per register, padded
