@@ -598,32 +598,12 @@ inline void offer(TopList& L, int K, uint32_t ok, uint32_t idx) {
 }
 
 // Running-threshold insertion over ok[0..E), a vector compare skipping chunks with nothing
-// above the current K-th best.
+// above the current K-th best: the selection of the scalar and NEON levels (the x86 levels
+// run the lane selection).
 inline void select_scan(const uint32_t* ok, int E, int K, uint64_t* out) {
   TopList L;
   int i = 0;
-#if MOELAB_ISA_LEVEL >= 2
-  for (; i + 16 <= E; i += 16) {
-    unsigned m = _mm512_cmpgt_epu32_mask(_mm512_loadu_si512(ok + i), _mm512_set1_epi32(int(L.thr)));
-    while (m) {
-      int l = __builtin_ctz(m);
-      m &= m - 1;
-      offer(L, K, ok[i + l], uint32_t(i + l));
-    }
-  }
-#elif MOELAB_ISA_LEVEL == 1
-  const __m256i sign = _mm256_set1_epi32(int(0x80000000u));
-  for (; i + 8 <= E; i += 8) {
-    __m256i k = _mm256_xor_si256(_mm256_loadu_si256((const __m256i*)(ok + i)), sign);
-    __m256i t = _mm256_xor_si256(_mm256_set1_epi32(int(L.thr)), sign);
-    unsigned m = unsigned(_mm256_movemask_ps(_mm256_castsi256_ps(_mm256_cmpgt_epi32(k, t))));
-    while (m) {
-      int l = __builtin_ctz(m);
-      m &= m - 1;
-      offer(L, K, ok[i + l], uint32_t(i + l));
-    }
-  }
-#elif MOELAB_ISA_NEON
+#if MOELAB_ISA_NEON
   for (; i + 4 <= E; i += 4) {
     const uint32x4_t gt = vcgtq_u32(vld1q_u32(ok + i), vdupq_n_u32(L.thr));
     if (vmaxvq_u32(gt) == 0) continue;
