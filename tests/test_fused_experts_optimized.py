@@ -649,9 +649,10 @@ def test_fast_decoders_equal_the_exact_decoder(level, quant):
     same fma order) bit for bit, in every policy and both weight layouts. Each token's x is one
     k (x = e_k), so GEMM1 hands one weight column through to the output (a wrong weight
     changes that token). fp8 scales: random normal, 0, the smallest subnormal, 2^-121 / 2^-120
-    and 2^118 / 2^119 (the avx2 table's range edges), negative, and one 2^121 that flags its
-    tile for the exact decoder; mxfp4 scale bytes: the fast range's ends 95 / 159 beside 127,
-    and the slow classes 0, 1, 94, 160, 253, 255 (NaN) in tiles of their own."""
+    (the NEON table's low edge), 2^-118 / 2^-117 (avx2's), 2^118 / 2^119 (both tables' high
+    edge), negative, and one 2^121 that flags its tile for the exact decoder; mxfp4 scale
+    bytes: the fast range's ends 95 / 159 beside 127, and the slow classes 0, 1, 94, 160, 253,
+    255 (NaN) in tiles of their own."""
     E, H, I = 4, 256, 128
     w13, w2, s13, s2 = _every_code_weights(quant, E, H, I)
     if quant == "fp8_block":
@@ -660,6 +661,7 @@ def test_fast_decoders_equal_the_exact_decoder(level, quant):
         s2[0, :, 0] = torch.tensor([2.0 ** -121, 2.0 ** -120])
         s2[1, :, 0] = torch.tensor([0.0, 2.0 ** -149])
         s2[2, :, 0] = torch.tensor([-(2.0 ** -7), 2.0 ** 118])
+        s2[3, :, 0] = torch.tensor([2.0 ** -118, 2.0 ** -117])
         s13[3, 1, :] = torch.tensor([2.0 ** -121, 2.0 ** -120])
         s13[2, 0, :] = torch.tensor([-0.375, 2.0 ** 119])
         s13[1, 0, 1] = 2.0 ** 121                                 # tile flagged slow
@@ -684,6 +686,41 @@ def test_fast_decoders_equal_the_exact_decoder(level, quant):
     finite = torch.isfinite(want.float())
     assert finite.float().mean() > 0.5 and (want[finite] != 0).float().mean() > 0.5
     assert torch.equal(bits(got), bits(want)) and torch.equal(bits(packed), bits(want))
+
+
+@pytest.mark.parametrize("level", ["avx2", "avx512"])   # the levels bit-equal to scalar's
+def test_fp8_scale_range_edges_weight_by_weight(level):
+    """Every fp8 weight reaches the output on its own, so a fast decoder that takes a scale
+    outside its exact range shows up in one output element. The avx2 table is exact for
+    scales in [2^-117, 2^119): below, code 1 (2^-9) times the scale is an f32 subnormal that
+    its exponent step cannot make; 2^-119 / 2^-118 must decode through the exact decoder,
+    2^-117 / 2^-116 may not differ from it. Token t = (e, k) has x = e_k; expert e's gate rows
+    are all 1.0 and its up rows the identity, so act = silu(1) e_k and the output is W2's
+    column k times one constant, each W2 code in each 128 x 128 scale block."""
+    E, H = 2, 256
+    I = H
+    ok = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
+    n, k = torch.arange(H).view(-1, 1), torch.arange(I).view(1, -1)
+    w2 = torch.stack([ok[(7 * n + k + 3 * e) % len(ok)] for e in range(E)]).view(torch.float8_e4m3fn)
+    one = torch.tensor(1.0).to(torch.float8_e4m3fn).view(torch.uint8)
+    w13 = torch.zeros(E, 2 * I, H, dtype=torch.uint8)
+    w13[:, :I, :] = one
+    w13[:, I:, :] = torch.eye(I, dtype=torch.uint8) * one
+    w13 = w13.view(torch.float8_e4m3fn)
+    s13 = torch.ones(E, 2 * I // 128, H // 128)
+    s2 = torch.tensor([[[2.0 ** -119, 2.0 ** -118], [2.0 ** -117, 2.0 ** -116]],
+                       [[2.0 ** -120, 2.0 ** -121], [2.0 ** 118, 2.0 ** 119]]])
+    x = torch.eye(H).bfloat16().repeat(E, 1)
+    ids = torch.arange(E).repeat_interleave(H).to(torch.int32).view(-1, 1)
+    tw = torch.ones(E * H, 1)
+    kw = dict(quant="fp8_block", w13_scale=s13, w2_scale=s2, activation="silu")
+    with isa("scalar"):
+        want = run_all_policies(x, w13, w2, tw, ids, kw)
+    with isa(level):
+        got = run_all_policies(x, w13, w2, tw, ids, kw)
+    tiny = want[:H, :128].float()                      # expert 0, output rows 0..127: scale 2^-119
+    assert (tiny != 0).any() and (tiny.abs() < 2.0 ** -126).any()   # subnormal outputs exist
+    assert torch.equal(bits(got), bits(want))
 
 
 @pytest.mark.parametrize("level", ["avx2", "avx512", "avx512_bf16"])

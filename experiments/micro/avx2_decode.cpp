@@ -9,15 +9,16 @@
 // 64 x R f32 dot products with the same fma sequence per output (fma(x0, w_even, acc), then
 // fma(x1, w_odd, acc), k pairs ascending) on the exact decoder's weights, so the bits must
 // agree (checked first); what differs is the instruction count and the loop's shape:
-//   fp8 min    the kernel's decoder (Fp8Dec at avx2): per k pair all 4 groups decoded, then
-//              R x 4 dps; the 16-entry index as min(c & 0x7f, (c & 7) | 8) and the exponent
-//              step (E - 1) << 3 by a saturating byte subtract: 19 vector instructions per 32
-//              codes, plus 8 per row to widen and multiply
+//   fp8 min    per k pair all 4 groups decoded, then R x 4 dps (the kernel's loop); the
+//              16-entry index as min(c & 0x7f, (c & 7) | 8) and the exponent step (E - 1) << 3
+//              by a saturating byte subtract: 19 vector instructions per 32 codes, plus 8 per
+//              row to widen and multiply
 //   fp8 cmpgt  the same loop with the index from the exponent field by a compare (21 per 32)
 //   fp8 group  cmpgt one group at a time over all of K (2 accumulators per row): fewer live
 //              registers, but each accumulator's fma chain waits on the previous pair
-//   fp8 parity a 16-entry table of (mantissa, exponent parity) and the rest of the exponent
-//              step added to the high byte before the zip, so no word-wide add (17 per 32)
+//   fp8 parity the kernel's decoder (Fp8Dec at avx2), in fp8 min's loop: a 16-entry table of
+//              (mantissa, exponent parity) and the rest of the exponent step added to the high
+//              byte before the zip, so no word-wide add (17 per 32)
 //   mxfp4 words  the kernel's (Mx4Dec at avx2): per pair and 16 words, the nibble masked and 2
 //              byte lookups; accumulators in block-scale units, rescaled at each 32-k block
 //   mxfp4 bytes  all 32 low (then high) nibbles looked up at once, pairs 0 / 2 (1 / 3) split
@@ -113,7 +114,7 @@ inline W32 dec_cmpgt(const Tab& t, const uint8_t* p) {
           _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 7))};
 }
 
-// The kernel's decoder (Fp8Dec::get at avx2, "min"): m7 = c & 0x7f serves the index (min with
+// "min": m7 = c & 0x7f serves the index (min with
 // (c & 7) | 8: E = 0 gives m, E >= 1 gives 8 + m) and the exponent step ((c & 0x78) - 8,
 // saturated: (E - 1) << 3, 0 for E = 0), which the byte unpack with zero puts at bit 3 of a
 // word and a shift by 4 moves to bit 7.

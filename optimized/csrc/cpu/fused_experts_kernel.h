@@ -27,7 +27,8 @@
 //   fp8:   a per-(tile, 128-k block) table of the 128 magnitudes' bf16(e4m3(c) * scale)
 //          (f32 product, rounded once, then bf16 RNE: vcvtne2ps2bf16 at avx512_bf16, integer
 //          RNE at avx512), looked up with two vpermi2w per 32 codes, sign XORed in (Fp8Dec);
-//          at avx2 a 16-entry vpshufb table plus an exponent add (its Fp8Dec).
+//          at avx2 a 16-entry vpshufb table of mantissa and exponent parity, the rest of
+//          the exponent added to the high byte (its Fp8Dec).
 //   mxfp4: one 64-byte octet (4 k pairs) -> 3 shifts -> 4 vpermw of the plain e2m1 bf16
 //          patterns; the f32 accumulators are kept in units of the current 32-k block's scale
 //          (multiplied by 2^(e(b-1) - e(b)) at each block, by 2^e(last) at the end): the same
@@ -285,31 +286,34 @@ inline void acc_rescale(Acc (&acc)[R][NG], const __m512 (&f)[NG]) {
 inline Fp8Dec fp8_dec(const ExactDec& ex) { return Fp8Dec{ex.w, ex.gb, ex.srow, {}}; }
 
 #elif MOELAB_ISA_LEVEL == 1
-// fp8 fast path at avx2, which has no word permute: a 16-entry table per 128-k block and an
-// exponent add. For a code of exponent field E >= 1 and mantissa m, e4m3 = e4m3(8 + m) * 2^(E-1)
-// (code 8 + m has E = 1), and a power of two commutes with both roundings of the exact
-// decoder (the f32 product, then bf16 RNE) while the results stay normal, so
-//   bf16(e4m3(c) * s) = bf16(e4m3(8 + m) * s) + ((E - 1) << 7)     (as bit patterns)
-// for every |s| in [2^-120, 2^119) (e4m3(8) * s >= 2^-126; 480 * 2^14 * s < 2^128). Codes
-// 0..7 (E = 0, subnormal) have their own entries, so table entry i is the exact decoder's
-// bf16(e4m3(i) * s), i = 0..15, its low and high bytes in two vpshufb tables; the index is
-// m for E = 0 and 8 + m otherwise, and the sign is XORed in as the other levels do. A block
-// whose scale lies outside that range (0 among them: an all-zero 128 x 128 block) decodes
-// through the exact decoder: the same bits. No multiply.
+// fp8 fast path at avx2, which has no word permute: a 16-entry table per 128-k block, indexed by
+// the code's mantissa and exponent parity, and the rest of the exponent added to the high byte.
+// For a code of exponent field E >= 1 and mantissa m, e4m3 = (1 + m/8) * 2^(E-7)
+//   = e4m3 of entry p = 8 (E & 1) + m   times   2^(2 (E >> 1)),
+// where entry i holds v(i) = (1 + (i & 7)/8) * 2^((i >> 3) - 7). A power of two commutes with
+// both roundings of the exact decoder (the f32 product, then bf16 RNE) while the results stay
+// normal, and the bf16 high byte is the sign and the exponent's top 7 bits, so
+//   bf16(e4m3(c) * s) = bf16(v(c & 15) * s), its high byte + (E >> 1)
+// for every s in [2^-117, 2^119) (e4m3(1) * s = 2^-9 s >= 2^-126; 448 s < 2^128). The
+// subnormal codes 1..7 are (1, 1, 1.5, 1, 1.25, 1.5, 1.75) x 2^-7 x (1/4, 1/2, 1/2, 1, 1, 1, 1):
+// entries 0, 8, 12, 0, 2, 4, 6, the high byte - 1 for codes 1..3; code 0 indexes with bit 7 set,
+// which vpshufb turns into +0. The sign is XORed in from the code. A block whose scale lies
+// outside that range (0 and negative scales among them: a negative one would need -0 for code
+// 0) decodes through the exact decoder: the same bits. No multiply.
 struct Fp8Dec {
   static constexpr int kStep = 1;
   static constexpr int64_t kScaleBlockPairs = fe::kFp8Block / 2;
   static constexpr bool kRescales = false;
   ExactDec exact;
-  __m256i tlo, thi;   // bytes of bf16(e4m3(i) * s), i = 0..15, in both 128-bit lanes
+  __m256i tlo, thi;   // bytes of bf16(v(i) * s), i = 0..15, in both 128-bit lanes
   bool slow_scale_block;
   void begin_scale_block(int64_t b) {
-    const float s = exact.srow[b], a = s < 0.0f ? -s : s;
-    slow_scale_block = !(a >= 0x1p-120f && a < 0x1p119f);
+    const float s = exact.srow[b];
+    slow_scale_block = !(s >= 0x1p-117f && s < 0x1p119f);
     if (slow_scale_block) return;
     alignas(16) uint8_t lo[16], hi[16];
     for (int i = 0; i < 16; ++i) {
-      const uint16_t v = f32_to_bf16(e4m3_to_f32(uint8_t(i)) * s);
+      const uint16_t v = f32_to_bf16((1.0f + float(i & 7) / 8.0f) * (i < 8 ? 0x1p-7f : 0x1p-6f) * s);
       lo[i] = uint8_t(v & 0xff);
       hi[i] = uint8_t(v >> 8);
     }
@@ -317,25 +321,29 @@ struct Fp8Dec {
     thi = _mm256_broadcastsi128_si256(_mm_load_si128((const __m128i*)hi));
   }
   // Only for blocks with !slow_scale_block: run_rows and dequant send the others to `exact`, so the
-  // loop over a block's pairs has no branch and no call beside the vector code. 19 vector
-  // instructions per 32 codes: the codes' magnitude c7 = c & 0x7f gives the index
-  // (min(c7, (c & 7) | 8): m for E = 0, 8 + m otherwise), the exponent step ((c & 0x78) - 8,
-  // saturated: (E - 1) << 3, 0 for E = 0) and the sign (c ^ c7), so few constants stay live
-  // (experiments/micro/avx2_decode.cpp: "fp8 min", beside an index by compare).
+  // loop over a block's pairs has no branch and no call beside the vector code. 17 vector
+  // instructions per 32 codes: with c7 = c & 0x7f, j = c7 +sat 0x78 has bit 7 clear only for the
+  // subnormal codes (c7 < 8), and then indexes their corrections at 8 + c7 in two small tables
+  // (the index XOR and the high-byte step); every other code looks up zeros there
+  // (experiments/micro/avx2_decode.cpp: "fp8 parity", beside the decoders it replaced).
   MOELAB_FE_INLINE void get(int g, int64_t kk, W32* out) const {
+    const __m256i lx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, char(0x80), 0 ^ 1, 8 ^ 2, 12 ^ 3, 0 ^ 4, 2 ^ 5, 4 ^ 6, 6 ^ 7,
+                                        0, 0, 0, 0, 0, 0, 0, 0, char(0x80), 0 ^ 1, 8 ^ 2, 12 ^ 3, 0 ^ 4, 2 ^ 5, 4 ^ 6, 6 ^ 7);
+    const __m256i hd = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, 0, 0, 0, 0,
+                                        0, 0, 0, 0, 0, 0, 0, 0, 0, -1, -1, -1, 0, 0, 0, 0);
     // qwords 0, 2, 1, 3: the per-lane byte unpacks at the end then give codes 0-15 (columns
     // 0-7) in .lo and codes 16-31 (columns 8-15) in .hi, in order
     const __m256i c = _mm256_permute4x64_epi64(_mm256_loadu_si256((const __m256i*)(exact.w + g * exact.gb + kk * 32)),
                                                _MM_SHUFFLE(3, 1, 2, 0));
-    const __m256i k8 = _mm256_set1_epi8(0x08);
     const __m256i c7 = _mm256_and_si256(c, _mm256_set1_epi8(0x7f));
-    const __m256i idx = _mm256_min_epu8(c7, _mm256_or_si256(_mm256_and_si256(c, _mm256_set1_epi8(0x07)), k8));
-    const __m256i ea = _mm256_subs_epu8(_mm256_and_si256(c, _mm256_set1_epi8(0x78)), k8);   // (E - 1) << 3
+    const __m256i j = _mm256_adds_epu8(c7, _mm256_set1_epi8(0x78));
+    const __m256i idx = _mm256_xor_si256(_mm256_and_si256(c, _mm256_set1_epi8(0x0f)), _mm256_shuffle_epi8(lx, j));
+    const __m256i step = _mm256_add_epi8(_mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x07)),   // E >> 1
+                                         _mm256_shuffle_epi8(hd, j));
     const __m256i lo = _mm256_shuffle_epi8(tlo, idx);
-    const __m256i hi = _mm256_xor_si256(_mm256_shuffle_epi8(thi, idx), _mm256_xor_si256(c, c7));   // sign
-    const __m256i z = _mm256_setzero_si256();
-    out[0].lo = _mm256_add_epi16(_mm256_unpacklo_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpacklo_epi8(ea, z), 4));
-    out[0].hi = _mm256_add_epi16(_mm256_unpackhi_epi8(lo, hi), _mm256_slli_epi16(_mm256_unpackhi_epi8(ea, z), 4));
+    const __m256i hi = _mm256_xor_si256(_mm256_add_epi8(_mm256_shuffle_epi8(thi, idx), step), _mm256_xor_si256(c, c7));
+    out[0].lo = _mm256_unpacklo_epi8(lo, hi);
+    out[0].hi = _mm256_unpackhi_epi8(lo, hi);
   }
 };
 
@@ -406,8 +414,9 @@ inline void acc_rescale(Acc (&acc)[R][NG], const Factor (&f)[NG]) {
 }
 
 #elif MOELAB_ISA_NEON
-// fp8 fast path at NEON: avx2's Fp8Dec (a 16-entry table per 128-k block, an exponent add;
-// the same range rule and the same bits as the exact decoder), the two byte tables looked up
+// fp8 fast path at NEON: a 16-entry table per 128-k block (entry m for E = 0, 8 + m otherwise)
+// and an exponent add (E - 1) << 7 to the word, for |s| in [2^-120, 2^119) (e4m3(8) s >= 2^-126;
+// 480 * 2^14 s < 2^128): the same bits as the exact decoder. The two byte tables are looked up
 // with one `tbl` (vqtbl1q_u8) each per 16 codes. Word i of a W32 is code byte i (i = 2c + p),
 // so 16 codes give q[0], q[1] (columns 0-7) and the next 16 q[2], q[3] after a byte zip.
 struct Fp8Dec {
