@@ -6,7 +6,8 @@ reproduce one seed's claims on this machine. They read from the environment:
 
     MOELAB_NB_MODE     tiny | quick | full  (default quick; FULL=1 also selects full)
                        tiny: seconds, smallest shapes, 1 round (the test; numbers meaningless)
-    MOELAB_NB_OUT      folder for figures/, results/ (default: experiments/)
+    MOELAB_NB_OUT      folder for results/ (default: experiments/); a run writes its tables,
+                       verdicts and figures into results/<machine>/ (figures/ there)
     MOELAB_NB_THREADS  torch threads (default: torch's default, the physical cores; 1 in tiny)
 
 Verdict rule (`judge`), the same for every claim that is a speed ratio (> 1 = better):
@@ -64,7 +65,8 @@ def out_root() -> Path:
 
 
 def figures_dir() -> Path:
-    return out_root() / "figures"
+    """results/<machine>/figures: each machine's figures beside its tables and REPORT.md."""
+    return timing.results_dir(results_root()) / "figures"
 
 
 def results_root() -> Path:
