@@ -6,10 +6,10 @@
 #
 # `make experiments` runs every notebook in experiments/ headless, three whole runs (each verdict
 # rests on all three: a claim whose runs disagree is "unstable"; RUNS=N changes the count), and
-# writes the machine's report, tables and figures from the last run into
-# experiments/results/<machine>/ (REPORT.md there; experiments/REPORT.md indexes the machines) (quick grids: ~6 min per run
+# writes the last run's report, tables and figures into experiments/results/<machine>/
+# (experiments/REPORT.md indexes the machines' reports). Quick grids: ~6 min per run
 # measured on this 2-core machine with 1 thread, plus ~70 s for 006's gloo runs at world sizes 1-4;
-# FULL=1 for the full grids: ~17 min per run). MOELAB_NB_THREADS=N sets
+# FULL=1 for the full grids: ~17 min per run. MOELAB_NB_THREADS=N sets
 # the torch threads (default: all cores, or 1 when a shared machine stalls parallel regions).
 PY      ?= python3
 VENV    := .venv

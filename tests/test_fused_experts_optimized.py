@@ -694,14 +694,12 @@ def test_fp8_scale_range_edges_weight_by_weight(level):
     outside its exact range shows up in one output element. The avx2 table is exact for
     scales in [2^-117, 2^119): below, code 1 (2^-9) times the scale is an f32 subnormal that
     its exponent step cannot make; 2^-119 / 2^-118 must decode through the exact decoder,
-    2^-117 / 2^-116 may not differ from it. Token t = (e, k) has x = e_k; expert e's gate rows
+    2^-117 / 2^-116 must give its bits too. Token t = (e, k) has x = e_k; expert e's gate rows
     are all 1.0 and its up rows the identity, so act = silu(1) e_k and the output is W2's
     column k times one constant, each W2 code in each 128 x 128 scale block."""
     E, H = 2, 256
     I = H
-    ok = torch.tensor([c for c in range(256) if c & 0x7F != 0x7F], dtype=torch.uint8)
-    n, k = torch.arange(H).view(-1, 1), torch.arange(I).view(1, -1)
-    w2 = torch.stack([ok[(7 * n + k + 3 * e) % len(ok)] for e in range(E)]).view(torch.float8_e4m3fn)
+    _, w2, _, _ = _every_code_weights("fp8_block", E, H, I)
     one = torch.tensor(1.0).to(torch.float8_e4m3fn).view(torch.uint8)
     w13 = torch.zeros(E, 2 * I, H, dtype=torch.uint8)
     w13[:, :I, :] = one
