@@ -15,7 +15,7 @@
 //   2. fe_plan (one block): per expert block of m rows, the path (FePolicy: tiled iff
 //      m >= m_cross, or forced) and its work units, chunks of `unit_rows` rows (small path:
 //      1, 2, 4 or 8 from T; tiled: kFeTileM), in expert order, via a block scan.
-//   3. GEMM1 (x -> h bf16): fe_small over the small units x column tiles of kSmallCols, and
+//   3. GEMM1 (x -> h bf16): fe_small over the small units x column tiles of small_cols(TB), and
 //      fe_tiled over the tiled units x column tiles of kFeTileN. x rows are read in place
 //      through src_row (no gathered copy). With apply_router_weight_on_input, fe_gather_weighted
 //      first writes the scaled rows xg[p] = bf16(x[t] * bf16(w[t, j])) (the CPU's gather, bit for
@@ -44,14 +44,14 @@
 //   sets them). (The CPU at avx512_bf16 flushes them; other CPU levels keep them.)
 //
 // The two paths and the reduction order of one output element (h[p, n] or y[p, n]):
-//   small-m (fe_small): a block of kSmallWarps warps owns kSmallCols weight rows (output
-//     columns) and one unit of <= TB rows. The K range is cut into 16-byte chunks; thread i
-//     takes chunks i, i + threads, ...: loads the kSmallCols weight chunks once, dequantizes
-//     them in registers 8 elements at a time and applies them to every row of the unit
-//     (fmaf, k ascending). Then gemv.cuh's multi-value warp butterfly and a sum over the
-//     warps in warp order. The order depends on K, the format's chunk width and the warp
-//     width only - never on T, m or the unit: a token's output is the same bits alone or
-//     in any batch when every block takes this path (batch invariant).
+//   small-m (fe_small): a warp owns small_cols(TB) weight rows (output columns) and one unit of
+//     <= TB rows. The K range is cut into 16-byte chunks; lane l takes chunks l, l + kWarp,
+//     ... (a batch of them loaded before any is decoded), dequantizes each in registers 8
+//     elements at a time and applies it to every row of the unit (fmaf, k ascending). Then
+//     gemv.cuh's multi-value warp butterfly; no shared memory, no block barrier. The order
+//     depends on K, the format's chunk width and the warp width only - never on T, m or the
+//     unit: a token's output is the same bits alone or in any batch when every block takes
+//     this path (batch invariant).
 //   tiled (fe_tiled): a block owns kFeTileM rows x kFeTileN columns; per k step of kTileK,
 //     the weight tile is dequantized ONCE into shared memory as bf16 and the activation tile
 //     staged beside it, then every row reuses it.
@@ -82,8 +82,8 @@
 //     bandwidth an SM must retire ~18 fp8 (36 mxfp4) weights per cycle; decoding costs ~6
 //     (fp8: shift/or, two multiplies, the bf16 rounding) and ~3 (mxfp4: nibble, table
 //     load, multiply) instructions per weight plus one FMA per row, so the small path
-//     stays near the memory floor only with full occupancy (every block issues its
-//     kSmallCols x 16-byte loads before decoding).
+//     stays near the memory floor only with full occupancy and several loads in flight per
+//     lane (a warp's columns x its batch of chunks, issued before decoding).
 //   prefill is compute: flops = 2 * rows * 3 * H * I: Qwen3 T=512 (4096 rows) 38.7 GFLOP ->
 //     39 us; GPT-OSS T=512 (2048 rows) 102 GFLOP -> 103 us. The tiled kernel is a plain
 //     mma.sync kernel (no ldmatrix, no cp.async pipeline, one 64x64 tile per block) and
@@ -100,7 +100,6 @@ namespace {
 
 constexpr int kSmallWarps = 4;
 constexpr int kSmallThreads = kSmallWarps * kWarp;
-constexpr int kSmallCols = 4;                         // output columns per small-path block
 constexpr int kTileK = 64;
 constexpr int kTileLd = kTileK + 8;                   // padded smem row: conflict-free fragments
 constexpr int kTileThreads = 4 * kWarp;
@@ -287,39 +286,51 @@ MOELAB_DEV Unit unit_of(const FeGemm& g, int64_t u) {
 }
 
 // ------------------------------------------------------------------------- small-m path
-// Launch bounds (docs/gpu.md, Occupancy): the aligned variant (VEC: 16-byte loads, taken
-// whenever the weight rows, x and its row stride are 16-byte aligned, as in every model
-// layout) gets the decode budget, >= 4 blocks per SM (<= 128 registers). The unaligned variant
-// (byte loads with bounds masks) spills when capped at 128 or at 168 (3 blocks, sm_80), so it
+// Each warp owns C = small_cols(TB) weight rows (output columns) of one unit of <= TB rows,
+// over all of K, with no block barrier: lane l takes the 16-byte chunks l, l + kWarp,
+// l + 2 kWarp, ... in batches of kSmallBatch<TB> chunks per column, all of a batch's loads
+// issued before the first is decoded (a decode stream needs bytes in flight, not threads:
+// docs/gpu.md, Occupancy). The unit's sums then go through gemv.cuh's multi-value butterfly,
+// and the lanes that hold the totals store them.
+// Launch bounds: the aligned variant (VEC: 16-byte loads, taken whenever the weight rows, x
+// and its row stride are 16-byte aligned, as in every model layout) gets the decode budget,
+// >= 4 blocks per SM (<= 128 registers). The unaligned variant (byte loads with bounds masks)
 // keeps 2 blocks per SM (<= 255 registers): a correctness path for odd strides, not a fast one.
-// On CDNA (64-lane waves) the aligned variant with 8 rows spills VGPRs at 4 waves per SIMD
-// (<= 128), so there it asks for 3 (<= 168 VGPRs).
+// On CDNA (64-lane waves) the aligned variant with 8 rows needs more than 128 VGPRs, so there
+// it asks for 3 waves per SIMD (<= 168 VGPRs).
 constexpr int kSmallMinBlocks = kWarp == 64 ? 3 : kDecodeMinBlocks;
+// Columns per warp and chunks per column a lane loads before decoding (C x B 16-byte loads in
+// flight): as many as the TB x C accumulators leave registers for within the decode budget
+// (at 4 columns, 8-row units spill, and on CDNA mxfp4's 2- and 4-row units).
+MOELAB_HD constexpr int small_cols(int tb) { return tb >= 8 || (kWarp == 64 && tb >= 2) ? 2 : 4; }
+template <int TB> constexpr int kSmallBatch = TB == 1 ? 2 : 1;
+
 template <int Q, int TB, bool VEC>
 __global__ void __launch_bounds__(kSmallThreads, VEC ? kSmallMinBlocks : 2)
 fe_small(FeGemm g) {
-  constexpr int CE = kChunk<Q>, NV = TB * kSmallCols;
-  __shared__ float red[kSmallWarps * NV];
+  constexpr int CE = kChunk<Q>, C = small_cols(TB), NV = TB * C, B = kSmallBatch<TB>;
   __shared__ float lut[16];
   if constexpr (Q == kFeMXFP4) {
     if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_f32(threadIdx.x);
     __syncthreads();
   }
+  const int lane = lane_id();
   const int64_t n_units = *g.n_units;
   const int64_t nchunks = cdiv(g.K, CE), rb = row_bytes(Q, g.K);
-  for (int64_t w = blockIdx.x; w < g.work; w += gridDim.x) {
+  const int64_t warps = int64_t(gridDim.x) * kSmallWarps;
+  for (int64_t w = int64_t(blockIdx.x) * kSmallWarps + warp_id(); w < g.work; w += warps) {
     const int64_t u = w / g.n_tiles;
-    if (u >= n_units) break;                       // block-uniform: u grows with w
-    const int64_t n0 = (w - u * g.n_tiles) * kSmallCols;
+    if (u >= n_units) break;                       // warp-uniform: u grows with w
+    const int64_t n0 = (w - u * g.n_tiles) * C;
     const Unit un = unit_of(g, u);
     const int m = int(un.m);
     const uint16_t* xr[TB];
 #pragma unroll
     for (int t = 0; t < TB; ++t) xr[t] = act_row(g, un.p0 + (t < m ? t : 0));
-    const uint8_t* wr[kSmallCols];
-    const void* sr[kSmallCols];
+    const uint8_t* wr[C];
+    const void* sr[C];
 #pragma unroll
-    for (int r = 0; r < kSmallCols; ++r) {
+    for (int r = 0; r < C; ++r) {
       const int64_t n = n0 + r < g.N ? n0 + r : g.N - 1;    // past N: a valid row, not stored
       wr[r] = g.w + (un.e * g.N + n) * rb;
       sr[r] = scale_row<Q>(g, un.e, n);
@@ -327,57 +338,69 @@ fe_small(FeGemm g) {
     float acc[NV];
 #pragma unroll
     for (int i = 0; i < NV; ++i) acc[i] = 0.0f;
-    for (int64_t c = threadIdx.x; c < nchunks; c += kSmallThreads) {
-      const int64_t k0 = c * CE;
-      vec16 raw[kSmallCols];
-      float sc[kSmallCols];
+    for (int64_t c0 = lane; c0 < nchunks; c0 += int64_t(B) * kWarp) {
+      vec16 raw[B][C];
 #pragma unroll
-      for (int r = 0; r < kSmallCols; ++r) {
-        raw[r] = load_chunk<VEC>(wr[r], c, rb);
-        sc[r] = chunk_scale<Q>(sr[r], k0);
+      for (int b = 0; b < B; ++b) {
+        const int64_t c = c0 + int64_t(b) * kWarp;
+#pragma unroll
+        for (int r = 0; r < C; ++r) raw[b][r] = c < nchunks ? load_chunk<VEC>(wr[r], c, rb) : vec16{};
       }
-      auto sub = [&](auto s_const) {
-        constexpr int S = decltype(s_const)::value;
-        const int64_t k = k0 + 8 * S;
-        float wv[kSmallCols][8];
 #pragma unroll
-        for (int r = 0; r < kSmallCols; ++r) {
-          dequant8<Q, S>(raw[r], sc[r], lut, wv[r]);
-          if constexpr (!VEC) {
+      for (int b = 0; b < B; ++b) {
+        const int64_t c = c0 + int64_t(b) * kWarp;
+        if (c >= nchunks) break;                   // the lane's chunks ascend: none after this one
+        const int64_t k0 = c * CE;
+        float sc[C];
 #pragma unroll
-            for (int q = 0; q < 8; ++q)
-              if (k + q >= g.K) wv[r][q] = 0.0f;
+        for (int r = 0; r < C; ++r) sc[r] = chunk_scale<Q>(sr[r], k0);
+        auto sub = [&](auto s_const) {
+          constexpr int S = decltype(s_const)::value;
+          const int64_t k = k0 + 8 * S;
+          float wv[C][8];
+#pragma unroll
+          for (int r = 0; r < C; ++r) {
+            dequant8<Q, S>(raw[b][r], sc[r], lut, wv[r]);
+            if constexpr (!VEC) {
+#pragma unroll
+              for (int q = 0; q < 8; ++q)
+                if (k + q >= g.K) wv[r][q] = 0.0f;
+            }
           }
-        }
 #pragma unroll
-        for (int t = 0; t < TB; ++t) {
-          if (t < m) {
-            float xv[8];
-            load_act8<VEC>(xr[t], k, g.K, xv);
+          for (int t = 0; t < TB; ++t) {
+            if (t < m) {
+              float xv[8];
+              load_act8<VEC>(xr[t], k, g.K, xv);
 #pragma unroll
-            for (int r = 0; r < kSmallCols; ++r)
+              for (int r = 0; r < C; ++r)
 #pragma unroll
-              for (int q = 0; q < 8; ++q) acc[t * kSmallCols + r] = fmaf(xv[q], wv[r][q], acc[t * kSmallCols + r]);
+                for (int q = 0; q < 8; ++q) acc[t * C + r] = fmaf(xv[q], wv[r][q], acc[t * C + r]);
+            }
           }
+        };
+        sub(std::integral_constant<int, 0>{});
+        if constexpr (CE >= 16) sub(std::integral_constant<int, 1>{});
+        if constexpr (CE >= 32) {
+          sub(std::integral_constant<int, 2>{});
+          sub(std::integral_constant<int, 3>{});
         }
-      };
-      sub(std::integral_constant<int, 0>{});
-      if constexpr (CE >= 16) sub(std::integral_constant<int, 1>{});
-      if constexpr (CE >= 32) {
-        sub(std::integral_constant<int, 2>{});
-        sub(std::integral_constant<int, 3>{});
       }
     }
     warp_reduce_multi<NV>(acc);
-    stash_warp_sums<NV>(acc, red);
-    __syncthreads();
-    for (int i = threadIdx.x; i < NV; i += kSmallThreads) {
-      float s = red[i];
-      for (int q = 1; q < kSmallWarps; ++q) s = s + red[q * NV + i];
-      const int t = i / kSmallCols, r = i - t * kSmallCols;
-      if (t < m && n0 + r < g.N) store_out(g, un.e, un.p0 + t, n0 + r, s);
+    // Which totals this lane holds (warp_reduce_multi): NV >= kWarp: indices lane * (NV / kWarp)
+    // + j in acc[j]; else the total of index lane >> shift in acc[0], stored by the lowest lane
+    // of each group of 1 << shift.
+    constexpr int kPer = NV >= kWarp ? NV / kWarp : 1;
+    constexpr int kShift = NV >= kWarp ? 0 : kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
+    if ((lane & ((1 << kShift) - 1)) == 0) {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) {
+        const int i = NV >= kWarp ? lane * kPer + j : lane >> kShift;
+        const int t = i / C, r = i - t * C;
+        if (t < m && n0 + r < g.N) store_out(g, un.e, un.p0 + t, n0 + r, acc[j]);
+      }
     }
-    __syncthreads();                               // red is rewritten by the next item
   }
 }
 
@@ -753,10 +776,10 @@ int launch_gemm(int q, FeGemm g, bool vec, const int32_t* small, const int32_t* 
     g.units = small;
     g.n_units = counts;
     g.unit_rows = tb;
-    g.n_tiles = cdiv(g.N, kSmallCols);
-    g.work = b.small * g.n_tiles;
-    const int64_t cap = MOELAB_GRID_CAP(kMaxGrid);
-    const unsigned blocks = unsigned(g.work < cap ? g.work : cap);
+    g.n_tiles = cdiv(g.N, small_cols(tb));
+    g.work = b.small * g.n_tiles;                   // one warp per (unit, column tile)
+    const int64_t cap = MOELAB_GRID_CAP(kMaxGrid), want = cdiv(g.work, kSmallWarps);
+    const unsigned blocks = unsigned(want < cap ? want : cap);
     switch (q) {
       case kFeBF16: launch_small<kFeBF16>(g, tb, vec, blocks, s); break;
       case kFeFP8: launch_small<kFeFP8>(g, tb, vec, blocks, s); break;
