@@ -27,6 +27,9 @@ differs from the seed's (`seed_pair`) in something other than the seed's change
 (`same_mechanism = false`), and any extra row on another pair (`analogue_row`), gets
 "analogue (<measured ratio>x)" instead (`verdict_row` applies this; a verdict on another pair
 says nothing about the seed's).
+A claim whose seed measured a GPU (001-004) is also judged, by the same rule, on each GPU
+results folder's figure where one exists (`gpu_verdict_row`: row `<claim>@<folder>`); REPORT.md
+takes that verdict for the claim and keeps the CPU row beside it, labelled CPU analogue.
 """
 from __future__ import annotations
 
@@ -225,6 +228,21 @@ def analogue_row(row_id: str, cid: str, measured: str, measured_ratio: float, wh
             "claimed_ratio": claimed_ratio_text(c), "measured": measured,
             "measured_ratio": round(float(measured_ratio), 4), "verdict": analogue_verdict(measured_ratio),
             "why": why, "gpu": gpu}
+
+
+def gpu_verdict_row(cid: str, machine: str, gpu: str, measured: str, measured_ratio: float | None,
+                    verdict: str, why: str) -> dict:
+    """Claim `cid` judged on the GPU figure of results folder `machine` (GPU model `gpu`): the
+    row `<cid>@<machine>`, which REPORT.md lists as the claim's GPU verdict."""
+    row = verdict_row(cid, f"{measured} on {gpu}", measured_ratio, verdict, why)
+    row["claim_id"] = f"{cid}@{machine}"
+    return row
+
+
+def gpu_claim_id(row_id: str) -> tuple[str, str] | None:
+    """(claim id, GPU results folder) of a gpu_verdict_row's id, else None."""
+    cid, sep, machine = row_id.partition("@")
+    return (cid, machine) if sep else None
 
 
 def not_measurable_row(cid: str, related: str = "") -> dict:

@@ -125,6 +125,10 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
     res = timing.results_dir(out / "results")
     verdicts = _read_rows(res, "_verdicts")
     by_id = {r["claim_id"]: r for rows in verdicts.values() for r in rows}
+    on_gpu: dict[str, list[dict]] = {}      # claim -> its rows judged on GPU results folders
+    for rid in sorted(by_id):
+        if nb.gpu_claim_id(rid):
+            on_gpu.setdefault(nb.gpu_claim_id(rid)[0], []).append(by_id[rid])
     claims = nb.all_claims()
     for r in runs:
         r["threads"] = ",".join(sorted({v.get("threads", "?") for v in verdicts.get(r["notebook"], [])})) or "?"
@@ -156,7 +160,10 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
         "unless the row says otherwise. The seeds measured GPUs (001-004) or a different CPU and "
         "whole serving runs (000); our measurements are the kernel-level CPU analogues named in "
         "papers/claims.toml (`counterpart`), so a verdict says whether the *mechanism* gives the "
-        "claimed kind of gain here, not whether the seed's number is right.",
+        "claimed kind of gain here, not whether the seed's number is right. Where a GPU results folder "
+        "holds the figure of a GPU seed's claim, the claim is judged on it (its verdict cell names the "
+        "folder, and the table \"Claims judged on a GPU\" has the row), and the CPU figure stays beside it "
+        "as the CPU analogue.",
         "",
         "Verdict rule: " + " ".join(nb.__doc__.split("Verdict rule (`judge`), the same for every claim that is a "
                                                "speed ratio (> 1 = better):")[1].split()),
@@ -184,14 +191,19 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
             else:
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
-        kind = "unstable" if r["verdict"].startswith("unstable") else _kind(r["verdict"])
+        judged = on_gpu[c["id"]][0]["verdict"] if c["id"] in on_gpu else r["verdict"]
+        kind = "unstable" if judged.startswith("unstable") else _kind(judged)
         counts[kind] = counts.get(kind, 0) + 1
         seen[c["id"]] = kind
         gpu = f" GPU: {r['gpu']}" if r.get("gpu") else ""
+        verdict = f"**{r['verdict']}**"
+        if c["id"] in on_gpu:
+            verdict = ("; ".join(f"**{g['verdict']}** on {nb.gpu_claim_id(g['claim_id'])[1]}" for g in on_gpu[c["id"]])
+                       + f" (CPU analogue: {r['verdict']})")
         lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(c.get('seed_pair', '?'))} | "
                      f"{_cell(c.get('our_pair', '?'))} | {_cell(r['claimed_ratio'])} | "
                      f"{_cell(r['measured'])}{_cell(gpu)} | {r.get('runs', 1)}: {_cell(r.get('run_ratios', ''))} | "
-                     f"**{r['verdict']}** | {_cell(r['why'])} |")
+                     f"{verdict} | {_cell(r['why'])} |")
     lines += ["", "Summary: " + ", ".join(f"{n} {v}" for v, n in sorted(counts.items(), key=lambda kv: -kv[1]))
               + f" (of {len(claims)} claims).", ""]
     lines += ["Which claims held, per seed (counts of verdicts):", "",
@@ -203,8 +215,20 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
                                                  ("reproduced", "partly", "not", "unstable", "analogue",
                                                   "not measurable", "not measured")) + " |")
     lines.append("")
+    if on_gpu:
+        lines += ["## Claims judged on a GPU", "",
+                  "Claims of the seeds that measured GPUs, judged by the same rule on a GPU results folder's "
+                  "figures (scripts/gpu_check.sh's bench, `results/<folder>/gpu_bench.csv`); the claims table "
+                  "counts these verdicts.", "",
+                  "| claim | GPU results folder | claimed | measured on the GPU | verdict | why |",
+                  "|---|---|---|---|---|---|"]
+        for cid, rows in on_gpu.items():
+            for g in rows:
+                lines.append(f"| `{cid}` | {nb.gpu_claim_id(g['claim_id'])[1]} | {_cell(g['claimed_ratio'])} | "
+                             f"{_cell(g['measured'])} | **{g['verdict']}** | {_cell(g['why'])} |")
+        lines.append("")
     extra = [r for nbname, rows in verdicts.items() if nbname != "005_moe_layer"   # 005: its own table below
-             for r in rows if r["claim_id"] not in {c["id"] for c in claims}]
+             for r in rows if r["claim_id"] not in {c["id"] for c in claims} and not nb.gpu_claim_id(r["claim_id"])]
     layer = _read_rows(res, "")
     if "005_moe_layer" in layer:
         lines += ["## End-to-end MoE layer (no seed claim)", "",

@@ -48,6 +48,7 @@ DESELECT = [
     ("tests/test_notebooks.py::test_notebook_writes_figures_and_verdicts", _NB),
     ("tests/test_notebooks.py::test_report_covers_every_claim", _NB),
     ("tests/test_notebooks.py::test_gpu_results_appear_beside_cpu", _NB),
+    ("tests/test_notebooks.py::test_gpu_seed_claims_are_judged_on_the_gpu", _NB),
     ("tests/test_compile_check.py::test_gpu_sources_compile_without_spills",
      "nvcc/hipcc device compilation of the GPU sources: no moelab_cpu code runs (make compile-check "
      "and make test cover it)"),

@@ -181,6 +181,35 @@ def test_gpu_results_appear_beside_cpu(tiny_run):
     assert (timing.results_dir(out / "results") / "figures" / "001_router_gemm_gpu.png").exists()
 
 
+@needs_extra
+def test_gpu_seed_claims_are_judged_on_the_gpu(tiny_run):
+    """A claim of a GPU seed with a figure in a GPU results folder gets a row judged on it
+    (`<claim>@<folder>`), and REPORT.md takes that verdict, the CPU one beside it as the analogue."""
+    out, _ = tiny_run
+    res = timing.results_dir(out / "results")
+    rows = {r["claim_id"]: r for name in NOTEBOOKS for r in csv.DictReader(open(res / f"{name}_verdicts.csv"))}
+    expect = {"001-kernel-count": 2, "002-gate-gemm-100-steps": 2.0, "003-batch-1": 1.25,   # 2 launches; 8/4; 25/20
+              "004-896-16-512": 1.6667, "004-other-shapes": 1.6667, "004-typical-heavy": 1.6667}   # 20/12
+    for cid, ratio in expect.items():
+        r = rows[f"{cid}@fake-gpu"]
+        assert float(r["measured_ratio"]) == pytest.approx(ratio, abs=1e-3), cid
+        assert r["verdict"] == "reproduced" and "Fake GPU 9000" in r["measured"], (cid, r)
+    assert not any(k.startswith("003-batch-8@") for k in rows)      # the GPU bench has no batch 8
+    report = (res / "REPORT.md").read_text()
+    assert "## Claims judged on a GPU" in report
+    line = next(ln for ln in report.splitlines() if ln.startswith("| `004-896-16-512` |"))
+    assert "**reproduced** on fake-gpu (CPU analogue: " in line
+    assert "| `004-896-16-512` | fake-gpu |" in report
+    assert "004-896-16-512@fake-gpu" not in report                  # not among the "other rows"
+
+
+def test_gpu_verdict_row_judges_by_the_claim():
+    r = nb.gpu_verdict_row("004-896-16-512", "gpu-x", "GPU X", "1.00x", 1.0,
+                           nb.judge(1.0, nb.claim("004-896-16-512")["ratio"]), "why")
+    assert r["claim_id"] == "004-896-16-512@gpu-x" and r["verdict"] == "not" and r["measured"] == "1.00x on GPU X"
+    assert nb.gpu_claim_id(r["claim_id"]) == ("004-896-16-512", "gpu-x") and nb.gpu_claim_id("004-896-16-512") is None
+
+
 def _verdict_rule_for_pairs(rows, where):
     """reproduced / partly / not, or "unstable (a..b)" where whole runs disagree among those
     (run_notebooks.combine_runs), only on a claim whose pair matches the seed's in mechanism;
@@ -188,7 +217,7 @@ def _verdict_rule_for_pairs(rows, where):
     claims = {c["id"]: c for c in nb.all_claims()}
     seeds = {c["seed"] for c in claims.values()}
     for r in rows:
-        c = claims.get(r["claim_id"])
+        c = claims.get(r["claim_id"].partition("@")[0])     # <claim>@<GPU folder>: the claim judged on a GPU
         v = r["verdict"]
         if c is None and r["claim_id"][:3] not in seeds:
             continue      # a row of no seed (005's end-to-end layer): no seed's pair to match

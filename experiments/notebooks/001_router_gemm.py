@@ -188,6 +188,20 @@ verdicts = [
         gpu=(f"{gpu['speedup'].min():.2f}..{gpu['speedup'].max():.2f}x over F.linear(x.float()) on "
              f"{gpu['gpu'].iloc[0]}" if len(gpu) else "")),
 ]
+# On each GPU results folder: the same count rule on the GPU bench's pair (the launches its
+# before path names against the one fused kernel), with the fused kernel's speed beside it.
+gres = nb.gpu_results("router_gemm")
+for machine, g in (gpu.groupby("machine", sort=True) if len(gpu) else []):
+    before = gres[(gres["machine"] == machine) & gres["impl"].str.startswith("before")]["impl"].iloc[0]
+    n_before = int(mt.group(1)) if (mt := re.search(r"(\d+) launches", before)) else 1
+    verdicts.append(nb.gpu_verdict_row(
+        "001-kernel-count", machine, g["gpu"].iloc[0],
+        f"{n_before} launches ({before.removeprefix('before: ')}) -> 1 (the fused cast), which is "
+        f"{nb.geomean(g['speedup']):.2f}x faster (geomean over T = {', '.join(map(str, sorted(g['T'])))}; "
+        f"{g['speedup'].min():.2f}..{g['speedup'].max():.2f})",
+        n_before, "reproduced" if n_before >= 2 else "not",
+        "the seed's hardware class: one fused GEMV kernel instead of a cast kernel and a GEMM; the seed counted "
+        "3 because its GEMM split K into two kernels"))
 display(nb.write_verdicts(NAME, verdicts))
 print(f"Beyond T = {optimized.dispatch.ROUTER_GEMM_MAX_T} optimized.router_gemm hands over to F.linear "
       f"(the dispatcher); the raw kernel's speedup there: "

@@ -136,4 +136,14 @@ verdicts = [
              if len(gpu) else "")),
     nb.not_measurable_row("002-throughput-c4", related),
 ]
+# On each GPU results folder: the skinny GEMM against F.linear over its points, by the same rule.
+for machine, g in (gpu.groupby("machine", sort=True) if len(gpu) else []):
+    ggm = nb.geomean(g["speedup"])
+    verdicts.append(nb.gpu_verdict_row(
+        "002-gate-gemm-100-steps", machine, g["gpu"].iloc[0],
+        f"skinny_gemm vs F.linear geomean {ggm:.2f}x over {len(g)} points ({', '.join(g['case'])}; "
+        f"{g['speedup'].min():.2f}..{g['speedup'].max():.2f})",
+        ggm, nb.judge(ggm, nb.claim("002-gate-gemm-100-steps")["ratio"]),
+        "a skinny GEMM against the general GEMM library on a GPU, as the seed's pair; an NVIDIA GPU and cuBLAS "
+        "where the seed measured wvSplitK against Tensile on an AMD GPU"))
 display(nb.write_verdicts(NAME, verdicts))

@@ -164,4 +164,18 @@ for c in nb.claims(NAME):
                                        gm, nb.judge(gm, *c["ratio_range"]),
                                        why + (f"; from batch {big.index.min()} the outputs reach 32 MiB and fresh pages "
                                               f"make scratch much faster here (see the per-batch rows)" if len(big) else "")))
+# On each GPU results folder: every per-batch claim whose batch the GPU bench measured.
+for machine, g in (gpu.groupby("machine", sort=True) if len(gpu) else []):
+    for c in nb.claims(NAME):
+        b = c.get("params", {}).get("batch")
+        at_b = g[g["batch"] == b]
+        if b is None or at_b.empty:
+            continue
+        sp = at_b["speedup"].iloc[0]
+        verdicts.append(nb.gpu_verdict_row(
+            c["id"], machine, at_b["gpu"].iloc[0],
+            f"{sp:.3f}x ({at_b['before_us'].iloc[0]:.1f} -> {at_b['ours_us'].iloc[0]:.1f} us, eager, allocating -> "
+            f"scratch)", sp, nb.judge(sp, c["ratio"]),
+            "the seed's setting: permute's outputs and workspace from the caching allocator per call, "
+            "against a preallocated scratch, on a GPU; timed eagerly, host path included"))
 display(nb.write_verdicts(NAME, verdicts))

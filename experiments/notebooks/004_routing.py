@@ -181,4 +181,30 @@ verdicts = [
                     "torch.topk, gather), i.e. fusion; kept for readers of the earlier report, not a verdict on "
                     "the seed's change"),
 ]
+# On each GPU results folder: the seed's own pair (warp 0 alone vs the lane-owned selection),
+# each claim on the GPU points of its shapes, by the same statistics as above.
+for machine, g in (gpu.groupby("machine", sort=True) if len(gpu) else []):
+    g = g.join(g["case"].str.extract(r"E=(?P<E>\d+) K=(?P<K>\d+) T=(?P<T>\d+)").astype(int))
+    name = g["gpu"].iloc[0]
+    why_gpu = "the seed's pair on a GPU: route.cu's warp-0 selection against its lane-owned one, same keys"
+    at = g[(g["E"] == 896) & (g["K"] == 16) & (g["T"] == 512)]
+    if len(at):
+        sp = at["speedup"].iloc[0]
+        verdicts.append(nb.gpu_verdict_row("004-896-16-512", machine, name,
+                                           f"{sp:.2f}x ({at['before_us'].iloc[0]:.2f} -> {at['ours_us'].iloc[0]:.2f} us)",
+                                           sp, nb.judge(sp, nb.claim("004-896-16-512")["ratio"]), why_gpu))
+    go = g[g["E"].isin([256, 512, 896]) & g["K"].isin([8, 10, 16])]
+    if len(go):
+        gq = go["speedup"].quantile(0.1)
+        verdicts.append(nb.gpu_verdict_row(
+            "004-other-shapes", machine, name,
+            f"10th percentile {gq:.2f}x, min {go['speedup'].min():.2f}x over {len(go)} points ({', '.join(go['case'])})",
+            gq, nb.judge(gq, *nb.claim("004-other-shapes")["ratio_range"]), why_gpu))
+    gh = g[g["E"].between(512, 1024) & g["K"].between(9, 16) & (g["T"] >= 16)]
+    if len(gh):
+        gg = nb.geomean(gh["speedup"])
+        verdicts.append(nb.gpu_verdict_row(
+            "004-typical-heavy", machine, name,
+            f"geomean {gg:.2f}x ({gh['speedup'].min():.2f}..{gh['speedup'].max():.2f}) over {len(gh)} points",
+            gg, nb.judge(gg, *nb.claim("004-typical-heavy")["ratio_range"]), why_gpu))
 display(nb.write_verdicts(NAME, verdicts))
