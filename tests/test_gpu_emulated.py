@@ -673,6 +673,30 @@ def test_fused_experts_special_weights_and_dropped_rows(emu):
         assert st == 0 and status[0].item() == 0 and torch.equal(out, torch.zeros(T, H, dtype=torch.bfloat16))
 
 
+def test_fused_experts_fp8_scale_edges(emu):
+    """fp8 weights decode with one multiply by scale * 2^120 where that is exact (|scale| < 2^8)
+    and no code of the 8 is NaN, else with the exact decoder's two: both give the CPU's weights
+    at the boundary (scales just below and at 2^8, subnormal, negative, zero) and with a NaN code
+    beside fast ones (tiled SIMT path, bitwise with the CPU's scalar level, NaN-aware). A fast
+    range reaching 2^8 (scale * 2^120 = inf) or no NaN test fails it."""
+    from tests.test_fused_experts_optimized import make_case, make_weights
+    E, H, I, K, T = 4, 256, 128, 2, 8
+    w13, w2, s13, s2 = (t.clone() for t in make_weights("fp8_block", E, H, I))
+    edges = torch.tensor([255.99, 256.0, 2.0 ** -140, -3.0, 0.0, 2.0 ** -126, 255.0, 1e-3])
+    s13.view(-1)[:8] = edges
+    s13.view(-1)[8:16] = edges.flip(0)
+    s2.view(-1)[:8] = edges.roll(3) * 1e-2
+    w13.view(torch.uint8)[1, 5, 9] = 0xFF                           # NaN beside 7 fast codes
+    x, _, _, tw, ids, kw = make_case("fp8_block", "silu", E, H, I, T, K, seed=5)
+    ids[:, 0] = torch.arange(T, dtype=torch.int32) % E               # every expert routed
+    ids[:, 1] = (ids[:, 0] + 1) % E
+    kw.update(w13_scale=s13, w2_scale=s2)
+    cpu = fe_cpu(x, w13, w2, tw, ids, kw)
+    out = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+    assert same_bits(out, cpu)
+    assert out.isnan().any() and not out.isnan().all() and out.float().nan_to_num().abs().max() > 0
+
+
 def test_fused_experts_launcher_checks(emu):
     """Bad sizes, codes and workspaces are refused before any launch (negative status); an id
     outside [-1, E) is reported in the status words (code 1, the value), its slot skipped."""

@@ -35,7 +35,9 @@
 //          bf16 (RNE), the rounding the CPU kernel applies (vdpbf16ps multiplies bf16), so
 //          CPU and GPU multiply the same weights. e4m3 -> f32 is exact: its exponent and
 //          mantissa bits shifted into f32's give e4m3 * 2^-120 (subnormals included), times
-//          2^120; NaN codes (0x7f, 0xff) give NaN. The product is rounded once (mul_rn).
+//          2^120; NaN codes (0x7f, 0xff) give NaN. The product is rounded once (mul_rn); where
+//          |scale| < 2^8 and none of 8 codes is NaN, the two multiplies are one, by the exact
+//          scale * 2^120 (fp8_fast).
 //   mxfp4: e2m1(code) * 2^(s-127) from a 16-entry table in shared memory times the e8m0
 //          scale (s = 255: NaN). Exact in f32 and in bf16 (two significant bits), so it needs
 //          no rounding: the same value as the CPU's bf16 weight.
@@ -80,7 +82,7 @@
 //     52.9 MB -> 11 us; T=4: ~13 experts ~175 MB -> ~36 us.
 //     Plus 6 launches (~2-3 us each outside a CUDA graph, ~1 us inside one). At full
 //     bandwidth an SM must retire ~18 fp8 (36 mxfp4) weights per cycle; decoding costs ~6
-//     (fp8: shift/or, two multiplies, the bf16 rounding) and ~3 (mxfp4: nibble, table
+//     (fp8: shift/or, one multiply, the bf16 rounding) and ~3 (mxfp4: nibble, table
 //     load, multiply) instructions per weight plus one FMA per row, so the small path
 //     stays near the memory floor only with full occupancy and several loads in flight per
 //     lane (a warp's columns x its batch of chunks, issued before decoding).
@@ -165,10 +167,21 @@ MOELAB_DEV float e2m1_f32(uint32_t c) {
 // bf16(f32(e4m3(b)) * scale), widened. The e4m3 bits shifted into an f32's exponent and
 // mantissa fields are exactly e4m3 * 2^-120 (a normal e4m3 lands in a normal f32, a subnormal
 // in a subnormal one), so * 2^120 restores e4m3(b) exactly.
+MOELAB_DEV float fp8_bits(uint32_t b) { return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)); }
 MOELAB_DEV float fp8_weight(uint32_t b, float scale) {
   if ((b & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);          // e4m3fn NaN
-  const float v = __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20));
-  return round_bf16(mul_rn(mul_rn(v, 0x1p120f), scale));
+  return round_bf16(mul_rn(mul_rn(fp8_bits(b), 0x1p120f), scale));
+}
+// Whether 8 codes (words lo, hi) may take one multiply by scale * 2^120 instead of the two
+// above: the same rounded product (the same exact value e4m3 * scale, rounded once) whenever
+// scale * 2^120 is exact, i.e. |scale| < 2^8 (NaN and infinite scales fail the test), and no
+// code is NaN, which a zero byte of (codes & 0x7f) ^ 0x7f shows (one test per 4 codes).
+MOELAB_DEV bool fp8_fast(uint32_t lo, uint32_t hi, float scale) {
+  auto no_nan = [](uint32_t x) {
+    const uint32_t y = (x & 0x7f7f7f7fu) ^ 0x7f7f7f7fu;
+    return ((y - 0x01010101u) & ~y & 0x80808080u) == 0u;
+  };
+  return fabsf(scale) < 0x1p8f && no_nan(lo) && no_nan(hi);
 }
 
 // 16 bytes of a weight row: chunk c (bytes 16c ..). VEC: one aligned vector load; else byte
@@ -211,10 +224,19 @@ MOELAB_DEV void dequant8(vec16 v, float sc, const float* lut, float (&w)[8]) {
     unpack8<Fmt::kBF16>(v, w);
   } else if constexpr (Q == kFeFP8) {
     const uint32_t lo = S == 0 ? v.x : v.z, hi = S == 0 ? v.y : v.w;
+    if (fp8_fast(lo, hi, sc)) {
+      const float f = mul_rn(sc, 0x1p120f);   // exact: |sc| < 2^8
 #pragma unroll
-    for (int q = 0; q < 4; ++q) {
-      w[q] = fp8_weight((lo >> (8 * q)) & 0xffu, sc);
-      w[q + 4] = fp8_weight((hi >> (8 * q)) & 0xffu, sc);
+      for (int q = 0; q < 4; ++q) {
+        w[q] = round_bf16(mul_rn(fp8_bits((lo >> (8 * q)) & 0xffu), f));
+        w[q + 4] = round_bf16(mul_rn(fp8_bits((hi >> (8 * q)) & 0xffu), f));
+      }
+    } else {
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        w[q] = fp8_weight((lo >> (8 * q)) & 0xffu, sc);
+        w[q + 4] = fp8_weight((hi >> (8 * q)) & 0xffu, sc);
+      }
     }
   } else {
     const uint32_t word = S == 0 ? v.x : S == 1 ? v.y : S == 2 ? v.z : v.w;
