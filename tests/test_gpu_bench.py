@@ -97,3 +97,50 @@ def test_eager_permute_baseline_is_the_reference_and_has_no_host_sync():
     assert torch.equal(rows, ref.hidden[: T * K])
     assert torch.equal(order.to(torch.int32), ref.src_row[: T * K])
     assert "bincount" not in inspect.getsource(gpu_bench.eager_permute).split('"""')[-1]
+
+
+@pytest.mark.parametrize("act", ["silu", "swiglu_oai"])
+def test_grouped_mm_baseline_computes_the_expert_mlps(act):
+    """The prefill baseline (torch._grouped_mm over expert-sorted slots, bf16 weights) computes
+    the reference's expert MLPs: within bf16 rounding of the reference, a fully dropped token an
+    exact zero row; with the experts' weights permuted it is far off (the check can fail)."""
+    from reference.fused_experts import fused_experts as reference
+    g = torch.Generator().manual_seed(0)
+    E, H, I, T, K = 6, 64, 32, 9, 3
+    x = torch.randn(T, H, generator=g).bfloat16()
+    w13 = (torch.randn(E, 2 * I, H, generator=g) / H ** 0.5).bfloat16()
+    w2 = (torch.randn(E, H, I, generator=g) / I ** 0.5).bfloat16()
+    tw = torch.rand(T, K, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)]).to(torch.int32)
+    ids[2, 1] = -1
+    ids[5] = -1
+    b13 = torch.randn(E, 2 * I, generator=g) * 0.1 if act == "swiglu_oai" else None
+    b2 = (torch.randn(E, H, generator=g) * 0.1).bfloat16() if act == "swiglu_oai" else None
+    want = reference(x, w13, w2, tw, ids, quant="bf16", w13_bias=b13, w2_bias=b2, activation=act).float()
+    got = gpu_bench.grouped_mm_experts(x, w13, w2, tw, ids, act, b13, b2).float()
+    assert torch.equal(got[5], torch.zeros(H))
+    scale = want.abs().max()
+    assert (got - want).abs().max() <= 2e-2 * scale
+    wrong = gpu_bench.grouped_mm_experts(x, w13.roll(1, 0), w2, tw, ids, act, b13, b2).float()
+    assert (wrong - want).abs().max() > 0.1 * scale
+
+
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+def test_bench_weights_feed_the_grouped_mm_baseline(quant, monkeypatch):
+    """The bench's random weights of each format (made on the device; here the CPU) dequantize
+    to the bf16 stacks the prefill baseline takes, and the bytes per expert count what a decode
+    call reads (weights and scales)."""
+    from reference.quant import dequantize_expert_weights
+    monkeypatch.setattr(gpu_bench, "DEV", "cpu")
+    E, H, I = 3, 64, 32
+    w13, s13 = gpu_bench._fe_weights(quant, E, 2 * I, H)
+    w2, s2 = gpu_bench._fe_weights(quant, E, H, I)
+    nbytes = sum(t.numel() * t.element_size() for t in (w13, w2, s13, s2) if t is not None)
+    assert gpu_bench._fe_expert_bytes(quant, H, I) * E == nbytes
+    dense = [w if quant == "bf16" else dequantize_expert_weights(quant, w, sc).bfloat16()
+             for w, sc in ((w13, s13), (w2, s2))]
+    assert [tuple(d.shape) for d in dense] == [(E, 2 * I, H), (E, H, I)] and dense[0].dtype == torch.bfloat16
+    T, K = 5, 2
+    ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(torch.int32)
+    out = gpu_bench.grouped_mm_experts(torch.randn(T, H).bfloat16(), dense[0], dense[1], torch.rand(T, K), ids)
+    assert out.shape == (T, H) and bool(torch.isfinite(out.float()).all()) and out.abs().max() > 0
