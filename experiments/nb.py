@@ -110,6 +110,18 @@ def read_bandwidth() -> float:
     return timing.read_bandwidth()
 
 
+def compare_with_probe(impls: dict, rounds: int, min_time: float, bw: float):
+    """timing.compare of `impls` with the read probe timed in the same interleaved rounds:
+    (their timings, the floor bandwidth: the faster of `bw` and the probe's fastest pass in
+    those rounds). This machine's memory bandwidth changes regime within a run, so a floor
+    measured once at a notebook's start can sit below a later round's rate; timed beside the
+    row, the floor holds in whatever phase the rounds saw (as experiments.bench's rows)."""
+    probe, pbytes = timing.read_probe(pick(8 << 20, 256 << 20, 256 << 20))
+    t = timing.compare({**impls, "read probe": probe}, rounds=rounds, min_time=min_time)
+    p = t.pop("read probe")
+    return t, max(bw, pbytes / min(p.times))
+
+
 def parallel_stalls() -> bool:
     """True if a short parallel op on all threads is > 3x slower than on one thread (median of
     25 calls, any of 3 tries): on a shared machine where another process holds a core, every
