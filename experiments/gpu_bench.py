@@ -121,6 +121,7 @@ def launch_floor() -> float:
 
 
 ROWS: list[dict] = []
+CSV_PATH: list[Path] = []   # gpu_bench.csv of this run (main)
 
 
 READ_BW = [0.0]   # the read probe of this run (bytes/s), set by main: issue 35's decode target
@@ -131,6 +132,15 @@ def add(op, case, impl, t, floor_us, note=""):
     ROWS.append(dict(op=op, case=case, impl=impl, median_us=round(med, 3), p10_us=round(p10, 3),
                      p90_us=round(p90, 3), floor_us=round(floor_us, 3), note=note))
     print(f"  {op:12s} {case:34s} {impl:26s} {med:9.2f} us  [{p10:.2f}, {p90:.2f}]  floor {floor_us:.2f} us {note}")
+    if CSV_PATH:   # rewritten at every row: a step killed at its time limit keeps what it measured
+        write_rows(CSV_PATH[0])
+
+
+def write_rows(path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        wr = csv.DictWriter(f, fieldnames=list(ROWS[0]) if ROWS else ["op"])
+        wr.writeheader()
+        wr.writerows(ROWS)
 
 
 # ------------------------------------------------------------- the seeds' pairs, by label
@@ -429,6 +439,7 @@ def main() -> int:
     cbw, rbw, lf = copy_bandwidth(), read_bandwidth(), launch_floor()
     bw = max(cbw, rbw)
     READ_BW[0] = rbw
+    CSV_PATH[:] = [out / "gpu_bench.csv"]
     env = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, cuda=torch.version.cuda or "",
                hip=getattr(torch.version, "hip", "") or "", copy_bandwidth_GBps=round(cbw / 1e9, 1),
                read_bandwidth_GBps=round(rbw / 1e9, 1), floor_bandwidth_GBps=round(bw / 1e9, 1),
@@ -444,10 +455,7 @@ def main() -> int:
         except Exception as e:   # keep timing the others; the log says what broke
             failures += 1
             print(f"{b.__name__} FAILED: {type(e).__name__}: {e}")
-        with open(out / "gpu_bench.csv", "w", newline="") as f:
-            wr = csv.DictWriter(f, fieldnames=list(ROWS[0]) if ROWS else ["op"])
-            wr.writeheader()
-            wr.writerows(ROWS)
+        write_rows(out / "gpu_bench.csv")
     return 1 if failures else 0
 
 

@@ -144,3 +144,13 @@ def test_bench_weights_feed_the_grouped_mm_baseline(quant, monkeypatch):
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(T)]).to(torch.int32)
     out = gpu_bench.grouped_mm_experts(torch.randn(T, H).bfloat16(), dense[0], dense[1], torch.rand(T, K), ids)
     assert out.shape == (T, H) and bool(torch.isfinite(out.float()).all()) and out.abs().max() > 0
+
+
+def test_every_row_reaches_the_csv_at_once(tmp_path, monkeypatch):
+    """A bench step killed at its time limit keeps the rows it measured: add() rewrites the CSV."""
+    monkeypatch.setattr(gpu_bench, "ROWS", [])
+    monkeypatch.setattr(gpu_bench, "CSV_PATH", [tmp_path / "gpu_bench.csv"])
+    gpu_bench.add("route", "E=8 K=2 T=1", "moelab lanes", (1.0, 0.9, 1.1), 0.5)
+    gpu_bench.add("route", "E=8 K=2 T=1", "before: warp 0 alone", (2.0, 1.9, 2.1), 0.5)
+    rows = list(csv.DictReader(open(tmp_path / "gpu_bench.csv")))
+    assert [r["impl"] for r in rows] == ["moelab lanes", "before: warp 0 alone"] and rows[1]["median_us"] == "2.0"
