@@ -191,6 +191,7 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
             else:
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
+        # A claim judged on several GPU folders counts the first one's verdict (by folder name).
         judged = on_gpu[c["id"]][0]["verdict"] if c["id"] in on_gpu else r["verdict"]
         kind = "unstable" if judged.startswith("unstable") else _kind(judged)
         counts[kind] = counts.get(kind, 0) + 1
