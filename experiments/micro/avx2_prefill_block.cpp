@@ -58,17 +58,31 @@ static inline __m256 dp_half(__m256 c, const XP& x, __m256i w) {
   return _mm256_fmadd_ps(x.x1, odd(w), _mm256_fmadd_ps(x.x0, even(w), c));
 }
 
+// Where a row's activation pair comes from: the bf16 rows, widened in registers (x_pair, the
+// kernel's way), or the chunk's f32 panel (widen_rows below), one vbroadcastss per value.
+struct Bf16Rows {
+  const char *a0, *a3;   // rows 0-2 and 3-5, as the kernel addresses them
+  int64_t ld;
+  Bf16Rows(const uint16_t* a, int64_t lda)
+      : a0(reinterpret_cast<const char*>(a)), a3(a0 + 3 * lda * 2), ld(lda * 2) {}
+  XP at(int r) const { return x_pair(r < 3 ? a0 + r * ld : a3 + (r - 3) * ld); }
+  void next() { a0 += 4, a3 += 4; }
+};
+template <int R>
+struct F32Panel {
+  const float* p;
+  XP at(int r) const { return {_mm256_broadcast_ss(p + r), _mm256_broadcast_ss(p + R + r)}; }
+  void next() { p += 2 * R; }
+};
+
 // R rows x NG groups, per k pair every group loaded, then per row both halves' even and odd fma.
-template <int R, int NG>
-__attribute__((noinline)) void mixed(const uint16_t* b, int64_t kstride, const uint16_t* a, int64_t lda, float* out) {
+template <int R, int NG, class X>
+__attribute__((noinline)) void mixed(const uint16_t* b, int64_t kstride, X x, float* out) {
   __m256 acc[R][NG][2];
   for (int r = 0; r < R; ++r)
     for (int g = 0; g < NG; ++g) acc[r][g][0] = acc[r][g][1] = _mm256_setzero_ps();
-  const char* a0 = reinterpret_cast<const char*>(a);
-  const char* a3 = a0 + 3 * lda * 2;
-  const int64_t ld = lda * 2;
   const uint16_t* bk = b;
-  for (int64_t kk = 0; kk < KP; ++kk, a0 += 4, a3 += 4, bk += kstride) {
+  for (int64_t kk = 0; kk < KP; ++kk, x.next(), bk += kstride) {
     __m256i w[NG][2];
 #pragma GCC unroll 8
     for (int g = 0; g < NG; ++g)
@@ -76,11 +90,11 @@ __attribute__((noinline)) void mixed(const uint16_t* b, int64_t kstride, const u
       for (int h = 0; h < 2; ++h) w[g][h] = _mm256_loadu_si256((const __m256i*)(bk + g * 32 + h * 16));
 #pragma GCC unroll 8
     for (int r = 0; r < R; ++r) {
-      const XP x = x_pair(r < 3 ? a0 + r * ld : a3 + (r - 3) * ld);
+      const XP xr = x.at(r);
 #pragma GCC unroll 8
       for (int g = 0; g < NG; ++g)
 #pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h) acc[r][g][h] = dp_half(acc[r][g][h], x, w[g][h]);
+        for (int h = 0; h < 2; ++h) acc[r][g][h] = dp_half(acc[r][g][h], xr, w[g][h]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -168,34 +182,6 @@ __attribute__((noinline)) void panel(const uint16_t* b, int64_t kstride, const f
   }
 }
 
-// R rows x NG groups over the f32 panel, per k pair every group's even-k then odd-k fmas.
-template <int R, int NG>
-__attribute__((noinline)) void wide(const uint16_t* b, int64_t kstride, const float* ap, float* out) {
-  __m256 acc[R][NG][2];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g) acc[r][g][0] = acc[r][g][1] = _mm256_setzero_ps();
-  const uint16_t* bk = b;
-  for (int64_t kk = 0; kk < KP; ++kk, ap += 2 * R, bk += kstride) {
-    __m256i w[NG][2];
-#pragma GCC unroll 8
-    for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 2
-      for (int h = 0; h < 2; ++h) w[g][h] = _mm256_loadu_si256((const __m256i*)(bk + g * 32 + h * 16));
-#pragma GCC unroll 8
-    for (int r = 0; r < R; ++r) {
-      const __m256 x0 = _mm256_broadcast_ss(ap + r), x1 = _mm256_broadcast_ss(ap + R + r);
-#pragma GCC unroll 8
-      for (int g = 0; g < NG; ++g)
-#pragma GCC unroll 2
-        for (int h = 0; h < 2; ++h)
-          acc[r][g][h] = _mm256_fmadd_ps(x1, odd(w[g][h]), _mm256_fmadd_ps(x0, even(w[g][h]), acc[r][g][h]));
-    }
-  }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < NG; ++g)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * 64 + g * 16 + h * 8, acc[r][g][h]);
-}
-
 // One chunk of rows over a tile (the weights, the chunk's first row, 6 x 64 outputs).
 using Fn = std::function<void(const uint16_t*, const uint16_t*, float*)>;
 
@@ -211,9 +197,11 @@ int main(int argc, char** argv) {
   for (int64_t i = 0; i < kTiles * kTile; ++i) W[i] = bf16();
   for (int64_t i = 0; i < kChunks * kRows * K; ++i) A[i] = bf16();
   std::vector<std::pair<std::string, Fn>> v = {
-      {"6x4 mixed", [](const uint16_t* w, const uint16_t* a, float* out) { mixed<6, 4>(w, kGroups * 32, a, K, out); }},
+      {"6x4 mixed", [](const uint16_t* w, const uint16_t* a, float* out) {
+         mixed<6, 4>(w, kGroups * 32, Bf16Rows(a, K), out);
+       }},
       {"6x1 mixed", [](const uint16_t* w, const uint16_t* a, float* out) {
-         for (int g = 0; g < kGroups; ++g) mixed<6, 1>(w + g * 32, kGroups * 32, a, K, out + g * 16);
+         for (int g = 0; g < kGroups; ++g) mixed<6, 1>(w + g * 32, kGroups * 32, Bf16Rows(a, K), out + g * 16);
        }},
       {"4x1 phased", [](const uint16_t* w, const uint16_t* a, float* out) {
          for (int g = 0; g < kGroups; ++g) {
@@ -229,7 +217,7 @@ int main(int argc, char** argv) {
       {"6x4 panel", [](const uint16_t* w, const uint16_t* a, float* out) {
          alignas(64) static float ap[KP * 2 * kRows];
          widen_rows<kRows>(a, K, ap);
-         wide<kRows, kGroups>(w, kGroups * 32, ap, out);
+         mixed<kRows, kGroups>(w, kGroups * 32, F32Panel<kRows>{ap}, out);
        }},
   };
   // The same bits from every variant (one chunk, one tile).
