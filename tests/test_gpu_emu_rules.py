@@ -53,6 +53,27 @@ def test_race_write_after_read_across_a_collective(emu):
 
 
 @RULES
+def test_cp_async_lands_at_its_wait(emu):
+    """cp.async (32-lane builds: the CUDA sm_80+ branch): the data lands at the issuing thread's
+    wait; reading it before the wait, reading another thread's copy with no barrier after the
+    waits, waiting for fewer groups than were read, or exiting with copies pending fails. On
+    the 64-lane (HIP) build cp_async16 is a plain copy: the correct kernel gives the same data."""
+    t = torch.arange(128)
+    want = (4 * t).float() + (4 * (128 + (t + 1) % 128) + 1).float()   # own first word + neighbour's second
+    assert torch.equal(emu.control_cp_async(0), want)
+    if emu.warp_size() != 32:
+        return
+    with pytest.raises(RuntimeError, match=r"load of a cp\.async destination .* before thread \d+'s cp\.async wait"):
+        emu.control_cp_async(1)
+    with pytest.raises(RuntimeError, match=r"shared-memory race \(read after write\)|load of a cp\.async destination"):
+        emu.control_cp_async(2)
+    with pytest.raises(RuntimeError, match=r"exited with cp\.async copies it never waited for"):
+        emu.control_cp_async(3)
+    with pytest.raises(RuntimeError, match=r"load of a cp\.async destination"):
+        emu.control_cp_async(4)
+
+
+@RULES
 def test_race_shuffle_does_not_order_a_warp(emu):
     """A write, a shuffle, a read by another lane: a race unless warp_sync sits between them
     (CUDA: __syncwarp; HIP: the wave barrier between its release and acquire fences)."""

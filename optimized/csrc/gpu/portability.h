@@ -15,6 +15,8 @@
 //   div_rn           f32 division rounded once (never an approximation)
 //   round_bf16       an f32 rounded to bf16 (RNE) and widened back (one cvt on sm_80+)
 //   mma_bf16_16816   CUDA sm_80+ only (MOELAB_HAS_MMA_BF16): one m16n8k16 bf16 tensor-core MMA
+//   cp_async16       16 bytes global -> shared, landing by cp_async_wait<N>() (cp.async on
+//                    sm_80+, MOELAB_HAS_CP_ASYNC; a plain copy elsewhere)
 //   Stream, Status   the stream handle and the launchers' return code (launch.h)
 //
 // The AMD wave size is fixed at 64: the host side of a launch cannot see the device
@@ -326,6 +328,34 @@ MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint
 }
 #else
 #define MOELAB_HAS_MMA_BF16 0
+#endif
+
+// ----------------------------------------------------------------------- async copies
+// cp_async16(dst, src): 16 bytes from global src to shared dst (both 16-byte aligned) that land
+// by this thread's cp_async_wait<N>(), which returns once at most N committed groups newer than
+// the copy's are pending (cp_async_commit() closes a group). Until the wait nothing may touch
+// dst; other threads see it after the wait and a barrier. CUDA sm_80+: cp.async.cg (L2 only),
+// commit_group, wait_group. HIP, older CUDA and host passes: a plain 16-byte copy at issue and
+// no-ops, which keeps the same contract. The emulator's 32-lane builds defer the copy to the
+// wait and fail an access to a pending destination (emu/emu.h).
+#if defined(MOELAB_EMU) && MOELAB_EMU_WARP == 32
+#define MOELAB_HAS_CP_ASYNC 1
+MOELAB_DEV void cp_async16(void* dst, const void* src) { ::moelab::emu::async_copy(dst, src, 16); }
+MOELAB_DEV void cp_async_commit() { ::moelab::emu::async_commit(); }
+template <int N> MOELAB_DEV void cp_async_wait() { ::moelab::emu::async_wait(N); }
+#elif !MOELAB_HIP && !defined(MOELAB_EMU) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define MOELAB_HAS_CP_ASYNC 1
+MOELAB_DEV void cp_async16(void* dst, const void* src) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src) : "memory");
+}
+MOELAB_DEV void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> MOELAB_DEV void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+#else
+#define MOELAB_HAS_CP_ASYNC 0
+MOELAB_DEV void cp_async16(void* dst, const void* src) { st16(dst, ld16(src)); }
+MOELAB_DEV void cp_async_commit() {}
+template <int N> MOELAB_DEV void cp_async_wait() {}
 #endif
 
 }  // namespace moelab::gpu

@@ -199,6 +199,7 @@ void moelab_emu_sanitizer_controls(pybind11::module& m);   // sanitizer_controls
 // planted bug (must raise).
 namespace moelab::emu::controls {
 void war(int plant, int* out);
+void cp_async(int plant, const float* in, float* out);
 void warp_order(int plant, int* out);
 void uninit_static(int plant, float* out);
 void uninit_dynamic(int plant, float* out);
@@ -216,6 +217,11 @@ void rule_controls(pybind11::module& m) {
   m.def("control_war", [](int64_t plant) {
     at::Tensor out = at::zeros({128}, at::kInt);
     ctl::war(int(plant), out.data_ptr<int32_t>());
+    return out;
+  });
+  m.def("control_cp_async", [](int64_t plant) {
+    at::Tensor in = at::arange(8 * 128, at::kFloat), out = at::zeros({128}, at::kFloat);
+    ctl::cp_async(int(plant), in.data_ptr<float>(), out.data_ptr<float>());
     return out;
   });
   m.def("control_warp_order", [](int64_t plant) {

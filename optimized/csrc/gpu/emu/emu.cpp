@@ -56,6 +56,13 @@ struct Fiber {
   bool released = false, pending_acquire = false;   // HIP: fences around a wave barrier
   char* stack = nullptr;          // kStack bytes, from g_stacks
   void* fake_stack = nullptr;     // ASan's fake stack of this fiber while it is switched out
+  struct Copy {                   // a cp.async not landed yet: n bytes src -> dst
+    char* dst;
+    const char* src;
+    int n;
+  };
+  std::vector<Copy> open;                  // issued since the last commit
+  std::vector<std::vector<Copy>> groups;   // committed, oldest first
 };
 
 struct Block {
@@ -106,11 +113,16 @@ void switch_back(Fiber& f, bool finished) {
 #endif
 }
 
+[[noreturn]] void fail(const std::string& msg);
+std::string who(const Fiber& f);
+
 void entry() {
 #if MOELAB_EMU_ASAN
   __sanitizer_finish_switch_fiber(nullptr, &g_sched_bottom, &g_sched_size);
 #endif
   (*g_block->body)();
+  if (!g_cur->open.empty() || !g_cur->groups.empty())
+    fail("emulator: " + who(*g_cur) + " exited with cp.async copies it never waited for");
   g_cur->done = true;
   switch_back(*g_cur, true);
 }
@@ -131,6 +143,7 @@ struct Shadow {
   uint32_t wepoch, wsync;
   int32_t rtid, rwarp;
   uint32_t repoch, rsync;
+  int32_t copy;   // 1 + the thread whose cp.async into this byte has not landed yet; 0: none
 };
 struct Region {
   uintptr_t lo = 0, hi = 0;
@@ -183,7 +196,7 @@ void init_static_region() {
   g_tls_marker = 1;   // this thread's TLS block of the module exists from here on
   dl_iterate_phdr(find_tls, &g_static);
   if (g_static.hi == 0) throw std::runtime_error("emulator: cannot find the static shared memory (TLS) range");
-  g_static.shadow.assign(g_static.hi - g_static.lo, Shadow{0, kNone, 0, 0, kNone, kNone, 0, 0});
+  g_static.shadow.assign(g_static.hi - g_static.lo, Shadow{0, kNone, 0, 0, kNone, kNone, 0, 0, 0});
 }
 
 const char* kind_name(int k) {
@@ -196,6 +209,10 @@ std::string who(const Fiber& f) {
          std::to_string(f.ids.blockIdx.z) + ")";
 }
 
+Region* region_of(uintptr_t p) {
+  return p >= g_static.lo && p < g_static.hi ? &g_static : p >= g_dynamic.lo && p < g_dynamic.hi ? &g_dynamic : nullptr;
+}
+
 __attribute__((no_sanitize_thread)) void access(uintptr_t p, int n, bool write) {
   if (!g_checks || g_in_hook || g_cur == nullptr) return;
   g_in_hook = true;
@@ -203,7 +220,7 @@ __attribute__((no_sanitize_thread)) void access(uintptr_t p, int n, bool write) 
   if (n > 1 && (p & uintptr_t(n - 1)) != 0)
     fail(std::string("emulator: misaligned ") + std::to_string(n) + "-byte " + (write ? "store" : "load") + " at " +
          hex(p) + " by " + who(f) + " (GPUs need natural alignment)");
-  Region* r = p >= g_static.lo && p < g_static.hi ? &g_static : p >= g_dynamic.lo && p < g_dynamic.hi ? &g_dynamic : nullptr;
+  Region* r = region_of(p);
   if (r == nullptr) {
     g_in_hook = false;
     return;
@@ -212,8 +229,12 @@ __attribute__((no_sanitize_thread)) void access(uintptr_t p, int n, bool write) 
   for (int i = 0; i < n; ++i) {
     if (p + uintptr_t(i) >= r->hi) break;
     Shadow& s = r->shadow[p + uintptr_t(i) - r->lo];
-    if (s.gen != g_gen) s = Shadow{g_gen, kNone, 0, 0, kNone, kNone, 0, 0};
+    if (s.gen != g_gen) s = Shadow{g_gen, kNone, 0, 0, kNone, kNone, 0, 0, 0};
     const char* what = r == &g_static ? "static shared memory" : "dynamic shared memory";
+    if (s.copy != 0)
+      fail(std::string("emulator: ") + (write ? "store to" : "load of") + " a cp.async destination in " + what +
+           " at " + hex(p + i) + " by " + who(f) + " before thread " + std::to_string(s.copy - 1) +
+           "'s cp.async wait landed it");
     // Ordered before this access: the same thread, a block barrier since, or a warp sync since
     // within the same warp.
     auto ordered = [&](int32_t tid, int32_t warp, uint32_t ep, uint32_t sy) {
@@ -281,7 +302,7 @@ void run_block(const dim3& grid, const dim3& block, const dim3& bidx, size_t sme
   ++g_gen;                                     // every shared byte: not written by this block
   g_dynamic.lo = reinterpret_cast<uintptr_t>(b.smem.get());
   g_dynamic.hi = g_dynamic.lo + smem;
-  if (g_dynamic.shadow.size() < smem) g_dynamic.shadow.resize(smem, Shadow{0, kNone, 0, 0, kNone, kNone, 0, 0});
+  if (g_dynamic.shadow.size() < smem) g_dynamic.shadow.resize(smem, Shadow{0, kNone, 0, 0, kNone, kNone, 0, 0, 0});
   if (g_stacks.size() < size_t(n)) g_stacks.resize(size_t(n));
   for (int t = 0; t < n; ++t) {
     Fiber& f = b.fibers[size_t(t)];
@@ -465,6 +486,54 @@ void vector_access(const void* p, size_t n, bool write) {
   if (g_cur == nullptr || n < 2 || (a & (n - 1)) == 0) return;
   fail(std::string("emulator: misaligned ") + std::to_string(n) + "-byte vector " + (write ? "store" : "load") +
        " at " + hex(a) + " by " + who(*g_cur) + " (GPUs need natural alignment)");
+}
+
+// cp.async: checked and recorded as a write of the issuing thread at issue (the copy may land
+// any time before the wait), its bytes then marked pending so that any access fails until the
+// wait lands them; the bytes move at the wait, and count as written by the thread then.
+void async_copy(void* dst, const void* src, int n) {
+  if (g_cur == nullptr) {
+    std::memcpy(dst, src, size_t(n));
+    return;
+  }
+  Fiber& f = *g_cur;
+  const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
+  if (((d | s) & uintptr_t(n - 1)) != 0)
+    fail("emulator: misaligned " + std::to_string(n) + "-byte cp.async " + hex(s) + " -> " + hex(d) + " by " + who(f));
+  Region* r = region_of(d);
+  if (r == nullptr) fail("emulator: cp.async to " + hex(d) + ", not shared memory, by " + who(f));
+  access(d, n, true);
+  if (g_checks)
+    for (int i = 0; i < n && d + uintptr_t(i) < r->hi; ++i) r->shadow[d + uintptr_t(i) - r->lo].copy = f.tid + 1;
+  f.open.push_back({static_cast<char*>(dst), static_cast<const char*>(src), n});
+}
+
+void async_commit() {
+  if (g_cur == nullptr) return;
+  g_cur->groups.push_back(std::move(g_cur->open));
+  g_cur->open.clear();
+}
+
+void async_wait(int keep) {
+  if (g_cur == nullptr) return;
+  Fiber& f = *g_cur;
+  while (int(f.groups.size()) > keep) {
+    for (const Fiber::Copy& c : f.groups.front()) {
+      std::memcpy(c.dst, c.src, size_t(c.n));
+      const uintptr_t d = reinterpret_cast<uintptr_t>(c.dst);
+      Region* r = region_of(d);
+      if (!g_checks || r == nullptr) continue;
+      for (int i = 0; i < c.n && d + uintptr_t(i) < r->hi; ++i) {
+        Shadow& sh = r->shadow[d + uintptr_t(i) - r->lo];
+        sh.copy = 0;
+        sh.wtid = f.tid;
+        sh.wepoch = g_block->epoch;
+        sh.wsync = f.wsync;
+        sh.rtid = kNone;
+      }
+    }
+    f.groups.erase(f.groups.begin());
+  }
 }
 
 void* dynamic_smem() { return g_block->smem.get(); }

@@ -23,7 +23,9 @@
 //     between a release and an acquire fence) they saw; a write/read or write/write pair of two
 //     threads that no barrier orders fails. Shuffles and ballots do not order memory;
 //   - collectives matched by call site: the lanes of a warp (threads of a block) must reach the
-//     same shuffle / ballot / sync / mma (__syncthreads) from the same call path.
+//     same shuffle / ballot / sync / mma (__syncthreads) from the same call path;
+//   - cp.async (32-lane builds): the copy lands at the issuing thread's wait, and any access to
+//     its destination before that fails; so does exiting with copies not waited for.
 // A violation, a collective with absent lanes, a deadlock or a launch configuration CUDA
 // rejects fails the launch loudly (RuntimeError).
 #pragma once
@@ -93,6 +95,13 @@ inline void wave_barrier(const char* file, int line) { (void)exchange(0, kSync, 
 void fence(int order);
 // A vector load/store of n bytes at p (portability.h's ld_vec/st_vec): fails unless n-aligned.
 void vector_access(const void* p, size_t n, bool write);   // HIP's __builtin_amdgcn_fence (release / acquire halves of warp_sync)
+// cp.async (portability.h's cp_async16 / cp_async_commit / cp_async_wait, 32-lane builds): n
+// bytes from global src to shared dst, both n-aligned, landing at a later cp_async_wait of the
+// issuing thread once at most `keep` newer committed groups are pending. Until then any access
+// to dst fails; a thread that exits with copies not waited for fails.
+void async_copy(void* dst, const void* src, int n);
+void async_commit();
+void async_wait(int keep);
 void* dynamic_smem();
 void launch(const char* name, dim3 grid, dim3 block, size_t smem, const std::function<void()>& body);
 int last_error();   // 0, or 9 (invalid configuration) after a rejected launch; then cleared

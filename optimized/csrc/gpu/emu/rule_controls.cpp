@@ -61,6 +61,33 @@ __global__ void uninit_dynamic_kernel(int plant, float* out) {
   out[blockIdx.x * kThreads + threadIdx.x] = buf[(threadIdx.x + kThreads - 1) % kThreads];
 }
 
+// cp.async: each thread copies two 16-byte vectors of `in` (two groups) into shared memory,
+// then reads its neighbour's copy. plant 0: every wait and barrier in place. plant 1: a thread
+// reads its own first copy before any wait. plant 2:
+// after the waits, no barrier before reading the neighbour's (a race, or a read of a copy the
+// neighbour has not waited for yet, whichever the schedule gives). plant 3: no wait at all
+// (the thread exits with its copies pending). plant 4: cp_async_wait<1> lands only the first
+// group, and the thread reads the second.
+__global__ void cp_async_kernel(int plant, const float* in, float* out) {
+  __shared__ vec16 buf[2][kThreads];
+  const int t = int(threadIdx.x);
+  cp_async16(&buf[0][t], in + 4 * t);
+  cp_async_commit();
+  cp_async16(&buf[1][t], in + 4 * (kThreads + t));
+  cp_async_commit();
+  if (plant == 3) return;
+  __syncthreads();   // every copy issued; the waits, not this barrier, land them
+  float first = 0.0f;
+  if (plant == 1) first = __uint_as_float(buf[0][t].x);
+  cp_async_wait<1>();
+  first += __uint_as_float(buf[0][t].x);
+  if (plant == 4) first += __uint_as_float(buf[1][t].x);
+  cp_async_wait<0>();
+  if (plant != 2) __syncthreads();
+  const int nb = (t + 1) % kThreads;
+  out[t] = first + __uint_as_float(buf[1][nb].y);
+}
+
 // A vector load of `size` bytes (16: uint4, 8: uint2) from global memory at byte offset `off`
 // of an aligned buffer (where == 0) or from shared memory (where == 1).
 __global__ void vector_kernel(const char* in, int off, int size, int where, unsigned* out) {
@@ -130,6 +157,9 @@ __global__ void round_kernel(const float* x, int n, float* y) {
 }  // namespace
 
 void war(int plant, int* out) { MOELAB_LAUNCH(war_kernel, 1, kThreads, 0, nullptr, plant, out); }
+void cp_async(int plant, const float* in, float* out) {
+  MOELAB_LAUNCH(cp_async_kernel, 1, kThreads, 0, nullptr, plant, in, out);
+}
 void warp_order(int plant, int* out) { MOELAB_LAUNCH(warp_order_kernel, 1, kWarp, 0, nullptr, plant, out); }
 void uninit_static(int plant, float* out) { MOELAB_LAUNCH(uninit_static_kernel, 2, kThreads, 0, nullptr, plant, out); }
 void uninit_dynamic(int plant, float* out) {
