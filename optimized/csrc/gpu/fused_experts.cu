@@ -410,19 +410,10 @@ fe_small(FeGemm g) {
       }
     }
     warp_reduce_multi<NV>(acc);
-    // Which totals this lane holds (warp_reduce_multi): NV >= kWarp: indices lane * (NV / kWarp)
-    // + j in acc[j]; else the total of index lane >> shift in acc[0], stored by the lowest lane
-    // of each group of 1 << shift.
-    constexpr int kPer = NV >= kWarp ? NV / kWarp : 1;
-    constexpr int kShift = NV >= kWarp ? 0 : kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
-    if ((lane & ((1 << kShift) - 1)) == 0) {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) {
-        const int i = NV >= kWarp ? lane * kPer + j : lane >> kShift;
-        const int t = i / C, r = i - t * C;
-        if (t < m && n0 + r < g.N) store_out(g, un.e, un.p0 + t, n0 + r, acc[j]);
-      }
-    }
+    each_warp_total<NV>(acc, [&](int i, float v) {
+      const int t = i / C, r = i - t * C;
+      if (t < m && n0 + r < g.N) store_out(g, un.e, un.p0 + t, n0 + r, v);
+    });
   }
 }
 

@@ -71,18 +71,26 @@ MOELAB_DEV void warp_reduce_multi(float (&v)[N]) {
   warp_reduce_level<N, N, kWarp / 2>(v, lane_id());
 }
 
-// After warp_reduce_multi<NV>: this warp's NV sums go to red[warp * NV .. + NV) (the lanes
-// that hold them write them), for a fixed-order sum over the warps after a barrier.
-template <int NV>
-MOELAB_DEV void stash_warp_sums(const float (&acc)[NV], float* red) {
-  const int lane = lane_id(), warp = warp_id();
+// After warp_reduce_multi<NV>: f(i, total) once for each index i < NV, called by one lane
+// that holds that total (with NV < kWarp, the lowest lane of the group that shares it).
+template <int NV, typename F>
+MOELAB_DEV void each_warp_total(const float (&acc)[NV], F&& f) {
+  const int lane = lane_id();
   if constexpr (NV >= kWarp) {
 #pragma unroll
-    for (int j = 0; j < NV / kWarp; ++j) red[warp * NV + lane * (NV / kWarp) + j] = acc[j];
+    for (int j = 0; j < NV / kWarp; ++j) f(lane * (NV / kWarp) + j, acc[j]);
   } else {
     constexpr int shift = kLogWarp - (NV == 1 ? 0 : NV == 2 ? 1 : NV == 4 ? 2 : NV == 8 ? 3 : NV == 16 ? 4 : 5);
-    if ((lane & ((1 << shift) - 1)) == 0) red[warp * NV + (lane >> shift)] = acc[0];
+    if ((lane & ((1 << shift) - 1)) == 0) f(lane >> shift, acc[0]);
   }
+}
+
+// After warp_reduce_multi<NV>: this warp's NV sums go to red[warp * NV .. + NV), for a
+// fixed-order sum over the warps after a barrier.
+template <int NV>
+MOELAB_DEV void stash_warp_sums(const float (&acc)[NV], float* red) {
+  const int warp = warp_id();
+  each_warp_total<NV>(acc, [&](int i, float v) { red[warp * NV + i] = v; });
 }
 
 // The block's TB x ROWS sums, reduced to shared memory red_out[t * ROWS + r] (valid after
