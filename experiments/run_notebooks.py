@@ -125,10 +125,10 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
     res = timing.results_dir(out / "results")
     verdicts = _read_rows(res, "_verdicts")
     by_id = {r["claim_id"]: r for rows in verdicts.values() for r in rows}
-    on_gpu: dict[str, list[dict]] = {}      # claim -> its rows judged on GPU results folders
+    on_gpu: dict[str, list[tuple[str, dict]]] = {}   # claim -> (GPU folder, its row judged there)
     for rid in sorted(by_id):
-        if nb.gpu_claim_id(rid):
-            on_gpu.setdefault(nb.gpu_claim_id(rid)[0], []).append(by_id[rid])
+        if (key := nb.gpu_claim_id(rid)) is not None:
+            on_gpu.setdefault(key[0], []).append((key[1], by_id[rid]))
     claims = nb.all_claims()
     for r in runs:
         r["threads"] = ",".join(sorted({v.get("threads", "?") for v in verdicts.get(r["notebook"], [])})) or "?"
@@ -192,14 +192,14 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
                 r = {"claimed_ratio": nb.claimed_ratio_text(c), "measured": "MISSING", "verdict": "not measured",
                      "why": f"{nbname} did not produce this row (failed or not run)"}
         # A claim judged on several GPU folders counts the first one's verdict (by folder name).
-        judged = on_gpu[c["id"]][0]["verdict"] if c["id"] in on_gpu else r["verdict"]
+        judged = on_gpu[c["id"]][0][1]["verdict"] if c["id"] in on_gpu else r["verdict"]
         kind = "unstable" if judged.startswith("unstable") else _kind(judged)
         counts[kind] = counts.get(kind, 0) + 1
         seen[c["id"]] = kind
         gpu = f" GPU: {r['gpu']}" if r.get("gpu") else ""
         verdict = f"**{r['verdict']}**"
         if c["id"] in on_gpu:
-            verdict = ("; ".join(f"**{g['verdict']}** on {nb.gpu_claim_id(g['claim_id'])[1]}" for g in on_gpu[c["id"]])
+            verdict = ("; ".join(f"**{g['verdict']}** on {folder}" for folder, g in on_gpu[c["id"]])
                        + f" (CPU analogue: {r['verdict']})")
         lines.append(f"| `{c['id']}` | {_cell(c['reported'])} | {_cell(c.get('seed_pair', '?'))} | "
                      f"{_cell(c.get('our_pair', '?'))} | {_cell(r['claimed_ratio'])} | "
@@ -224,8 +224,8 @@ def report(out: Path, mode: str, runs: list[dict], note: str = "", n_runs: int =
                   "| claim | GPU results folder | claimed | measured on the GPU | verdict | why |",
                   "|---|---|---|---|---|---|"]
         for cid, rows in on_gpu.items():
-            for g in rows:
-                lines.append(f"| `{cid}` | {nb.gpu_claim_id(g['claim_id'])[1]} | {_cell(g['claimed_ratio'])} | "
+            for folder, g in rows:
+                lines.append(f"| `{cid}` | {folder} | {_cell(g['claimed_ratio'])} | "
                              f"{_cell(g['measured'])} | **{g['verdict']}** | {_cell(g['why'])} |")
         lines.append("")
     extra = [r for nbname, rows in verdicts.items() if nbname != "005_moe_layer"   # 005: its own table below
