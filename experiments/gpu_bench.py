@@ -121,10 +121,8 @@ def launch_floor() -> float:
 
 
 ROWS: list[dict] = []
-CSV_PATH: list[Path] = []   # gpu_bench.csv of this run (main)
-
-
-READ_BW = [0.0]   # the read probe of this run (bytes/s), set by main: issue 35's decode target
+CSV_PATH: list[Path] = []   # gpu_bench.csv of this run (set by main)
+READ_BW = [0.0]             # the read probe of this run in bytes/s (set by main): issue 35's decode target
 
 
 def add(op, case, impl, t, floor_us, note=""):
@@ -343,8 +341,8 @@ def grouped_mm_experts(x, w13, w2, tw, ids, act="silu", b13=None, b2=None, alpha
     y = torch._grouped_mm(a, w2.transpose(1, 2), offs=offs).float()
     if b2 is not None:
         y = y + b2[e].float()
-    wt = torch.where(ks < E, tw.reshape(-1)[order].float(), 0.0)
-    y = torch.where((ks < E).unsqueeze(1), y * wt.unsqueeze(1), 0.0)   # rows past the last group: unset
+    wt = tw.reshape(-1)[order].float().unsqueeze(1)
+    y = torch.where((ks < E).unsqueeze(1), y * wt, 0.0)   # rows past the last group: unset, dropped
     out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device).index_add_(0, tok, y)
     return out.bfloat16()
 
