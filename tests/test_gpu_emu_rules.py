@@ -138,6 +138,31 @@ def test_mma_fragment_layout_and_its_plants(emu_mma, emu):
     assert emu.control_mma(a.view(torch.int16), w.view(torch.int16), 0) is None
 
 
+def test_ldmatrix_fragment_layout_and_its_plants(emu_mma, emu):
+    """ldmatrix.x4 as the PTX ISA defines it: lane l hands in row l % 8 of matrix l / 8, lane t
+    receives in register i the elements (row t / 4, columns 2 (t % 4), +1) of matrix i, the
+    lower column in the low half. Its row reads obey the shared-memory rules: without the
+    barrier after another warp's stores (plant 1) the read is a race or an uninitialised read,
+    a row address off 16 bytes (plant 2) and a global address (plant 3) fail. The SIMT builds
+    have no ldmatrix (None)."""
+    rows = torch.arange(1, 257, dtype=torch.int32).to(torch.int16).view(32, 8)
+    got = emu_mma.control_ldmatrix(rows, 0)
+    v = rows.to(torch.int64) & 0xFFFF
+    want = torch.empty(32, 4, dtype=torch.int64)
+    for t in range(32):
+        for i in range(4):
+            r, c = 8 * i + t // 4, 2 * (t % 4)
+            want[t, i] = v[r, c] | (v[r, c + 1] << 16)
+    assert torch.equal(got.to(torch.int64) & 0xFFFFFFFF, want)
+    with pytest.raises(RuntimeError, match=r"shared-memory race \(read after write\)|read of uninitialised static shared memory"):
+        emu_mma.control_ldmatrix(rows, 1)
+    with pytest.raises(RuntimeError, match="misaligned"):
+        emu_mma.control_ldmatrix(rows, 2)
+    with pytest.raises(RuntimeError, match="ldmatrix from .* not shared memory"):
+        emu_mma.control_ldmatrix(rows, 3)
+    assert emu.control_ldmatrix(rows, 0) is None
+
+
 def test_hardware_bf16_rounding(emu_mma, emu):
     """round_bf16 is cvt.rn.bf16.f32 in the MMA build (NaN -> the canonical 0x7fff), the integer
     rounding elsewhere (the NaN's payload kept, quieted); both round to nearest even."""

@@ -15,6 +15,8 @@
 //   div_rn           f32 division rounded once (never an approximation)
 //   round_bf16       an f32 rounded to bf16 (RNE) and widened back (one cvt on sm_80+)
 //   mma_bf16_16816   CUDA sm_80+ only (MOELAB_HAS_MMA_BF16): one m16n8k16 bf16 tensor-core MMA
+//   ldmatrix_x4      CUDA sm_80+ only (with MMA): four 8x8 b16 matrices from shared memory into
+//                    the registers of the MMA's fragment layout (ldmatrix.sync.aligned.m8n8.x4)
 //   cp_async16       16 bytes global -> shared, landing by cp_async_wait<N>() (cp.async on
 //                    sm_80+, MOELAB_HAS_CP_ASYNC; a plain copy elsewhere)
 //   Stream, Status   the stream handle and the launchers' return code (launch.h)
@@ -328,6 +330,32 @@ MOELAB_DEV void mma_bf16_16816(float (&d)[4], const uint32_t (&a)[4], const uint
 }
 #else
 #define MOELAB_HAS_MMA_BF16 0
+#endif
+
+// ldmatrix_x4(r, row): warp-wide, four 8x8 matrices of 16-bit elements from shared memory. Lane
+// l hands in the address of row l % 8 of matrix l / 8 (16 contiguous bytes, 16-byte aligned);
+// lane t receives in r[i] the pair of elements (row t / 4, columns 2 (t % 4), +1) of matrix i,
+// the lower column in the low half. That is the mma_bf16_16816 fragment layout: for a
+// row-major A tile the lanes' rows (l % 16, k offset 8 (l / 16)) give a[0..3]; for a weight tile
+// stored n-major (W[n][k], i.e. B column-major) the rows (n offset 8 (l / 16) + l % 8, k offset
+// 8 ((l / 8) % 2)) give b[0..1] of two n8 blocks. Only where MOELAB_HAS_MMA_BF16 (sm_75+ has the
+// instruction; the kernels use it with the MMA). The emulator's MMA build loads each lane's row
+// as a 16-byte shared read of that lane (so the race, uninitialised-read and alignment rules
+// apply to it) and exchanges the rows across the warp.
+#if MOELAB_HAS_MMA_BF16 && defined(MOELAB_EMU)
+MOELAB_DEV void ldmatrix_x4(uint32_t (&r)[4], const void* row MOELAB_SITE_DECL) {
+  ::moelab::emu::require_shared(row, "ldmatrix");
+  const vec16 v = ld16(row);
+  ::moelab::emu::ldmatrix_exchange(r, v.x | (uint64_t(v.y) << 32), v.z | (uint64_t(v.w) << 32), site_file_, site_line_);
+}
+#elif MOELAB_HAS_MMA_BF16
+MOELAB_DEV void ldmatrix_x4(uint32_t (&r)[4], const void* row) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s)
+               : "memory");
+}
 #endif
 
 // ----------------------------------------------------------------------- async copies

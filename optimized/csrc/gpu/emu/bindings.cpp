@@ -207,6 +207,7 @@ void vector_load(const char* in, int off, int size, int where, unsigned* out);
 void divergent(int plant, int* out);
 void chain(int blocks, int* out);
 bool mma(const uint16_t* a, const uint16_t* w, int plant, float* d);
+bool ldmatrix(const uint16_t* in, int plant, uint32_t* out);
 void round_bf16_values(const float* x, int n, float* y);
 }  // namespace moelab::emu::controls
 
@@ -259,6 +260,15 @@ void rule_controls(pybind11::module& m) {
                   int(plant), d.data_ptr<float>()))
       return py::none();
     return py::cast(d);
+  });
+  m.def("control_ldmatrix", [](const at::Tensor& rows, int64_t plant) -> py::object {
+    const at::Tensor rc = rows.contiguous();   // 32 x 8 16-bit elements
+    TORCH_CHECK(rc.numel() == 256 && rc.element_size() == 2, "control_ldmatrix: 32 x 8 16-bit elements");
+    at::Tensor out = at::zeros({32, 4}, at::kInt);
+    if (!ctl::ldmatrix(reinterpret_cast<const uint16_t*>(rc.data_ptr()), int(plant),
+                       reinterpret_cast<uint32_t*>(out.data_ptr<int32_t>())))
+      return py::none();
+    return py::cast(out);
   });
   m.def("round_bf16", [](const at::Tensor& x) {
     const at::Tensor xc = x.contiguous().to(at::kFloat);

@@ -200,7 +200,7 @@ void init_static_region() {
 }
 
 const char* kind_name(int k) {
-  return k == kShfl ? "shuffle" : k == kBallot ? "ballot" : k == kSync ? "warp sync" : k == kMma ? "mma" : "__syncthreads";
+  return k == kShfl ? "shuffle" : k == kBallot ? "ballot" : k == kSync ? "warp sync" : k == kMma ? "mma" : k == kLdmatrix ? "ldmatrix" : "__syncthreads";
 }
 
 std::string who(const Fiber& f) {
@@ -481,6 +481,23 @@ void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b
   }
 }
 
+void ldmatrix_exchange(uint32_t (&r)[4], uint64_t lo, uint64_t hi, const char* file, int line) {
+  const uint64_t mine[2] = {lo, hi};
+  const uint64_t* s = exchange_n(mine, 2, kLdmatrix, file, line);
+  const int t = lane();
+  for (int i = 0; i < 4; ++i) {
+    const uint64_t w = s[size_t(8 * i + t / 4) * kSlotWords + size_t((t & 3) >> 1)];
+    r[i] = uint32_t(w >> (32 * (t & 1)));
+  }
+}
+
+void require_shared(const void* p, const char* what) {
+  if (g_cur == nullptr || !g_checks) return;   // the shared ranges are known only with the rules
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  if (region_of(a) == nullptr)
+    fail(std::string("emulator: ") + what + " from " + hex(a) + ", not shared memory, by " + who(*g_cur));
+}
+
 void vector_access(const void* p, size_t n, bool write) {
   const uintptr_t a = reinterpret_cast<uintptr_t>(p);
   if (g_cur == nullptr || n < 2 || (a & (n - 1)) == 0) return;
@@ -500,8 +517,8 @@ void async_copy(void* dst, const void* src, int n) {
   const uintptr_t d = reinterpret_cast<uintptr_t>(dst), s = reinterpret_cast<uintptr_t>(src);
   if (((d | s) & uintptr_t(n - 1)) != 0)
     fail("emulator: misaligned " + std::to_string(n) + "-byte cp.async " + hex(s) + " -> " + hex(d) + " by " + who(f));
-  Region* r = region_of(d);
-  if (r == nullptr) fail("emulator: cp.async to " + hex(d) + ", not shared memory, by " + who(f));
+  Region* r = region_of(d);   // known only in the builds with the rules (g_checks)
+  if (g_checks && r == nullptr) fail("emulator: cp.async to " + hex(d) + ", not shared memory, by " + who(f));
   access(d, n, true);
   if (g_checks)
     for (int i = 0; i < n && d + uintptr_t(i) < r->hi; ++i) r->shadow[d + uintptr_t(i) - r->lo].copy = f.tid + 1;

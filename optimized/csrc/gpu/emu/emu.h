@@ -25,7 +25,9 @@
 //   - collectives matched by call site: the lanes of a warp (threads of a block) must reach the
 //     same shuffle / ballot / sync / mma (__syncthreads) from the same call path;
 //   - cp.async (32-lane builds): the copy lands at the issuing thread's wait, and any access to
-//     its destination before that fails; so does exiting with copies not waited for.
+//     its destination before that fails; so does exiting with copies not waited for;
+//   - ldmatrix (MMA build): each lane's row must be 16-byte aligned shared memory, read under the
+//     rules above by that lane.
 // A violation, a collective with absent lanes, a deadlock or a launch configuration CUDA
 // rejects fails the launch loudly (RuntimeError).
 #pragma once
@@ -78,8 +80,9 @@ struct Ids {
 constexpr int kSlotWords = 8;   // words a lane deposits at one collective (mma: 5)
 
 // What a warp collective is: shuffles and ballots exchange values but do not order memory;
-// kSync (__syncwarp, HIP's wave barrier) orders it; kMma is the tensor-core instruction.
-enum Collective : int { kShfl = 1, kBallot = 2, kSync = 3, kMma = 4 };
+// kSync (__syncwarp, HIP's wave barrier) orders it; kMma is the tensor-core instruction and
+// kLdmatrix its fragment load (neither orders memory).
+enum Collective : int { kShfl = 1, kBallot = 2, kSync = 3, kMma = 4, kLdmatrix = 5 };
 
 const Ids& ids();
 int lane();
@@ -153,6 +156,14 @@ inline uint16_t cvt_rn_bf16_f32(float f) {
 // C one fmaf at a time, k ascending (the SIMT path's order, so both branches give the same bits
 // in the emulator). Products of two bf16 are exact in f32 either way.
 void mma_m16n8k16_bf16(float (&d)[4], const uint32_t (&a)[4], const uint32_t (&b)[2], const char* file, int line);
+
+// ldmatrix.sync.aligned.m8n8.x4.shared.b16, warp-wide: lane l has read row l % 8 of matrix l / 8
+// (the 16 bytes lo, hi: portability.h's ldmatrix_x4 loads them as a shared read of that lane);
+// lane t receives r[i] = the 32-bit word t % 4 of the row lane 8 i + t / 4 read.
+void ldmatrix_exchange(uint32_t (&r)[4], uint64_t lo, uint64_t hi, const char* file, int line);
+// Fails unless p lies in this block's shared memory (static or dynamic): `what` names the
+// instruction that requires it.
+void require_shared(const void* p, const char* what);
 
 }  // namespace moelab::emu
 

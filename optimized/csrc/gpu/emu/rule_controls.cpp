@@ -147,6 +147,27 @@ __global__ void mma_kernel(const uint16_t* a, const uint16_t* w, int plant, floa
   d[(g + 8) * 8 + 2 * c] = acc[2];
   d[(g + 8) * 8 + 2 * c + 1] = acc[3];
 }
+
+// ldmatrix_x4: warp 0 stores 32 rows of 8 bf16 (row i = in[8 i .. 8 i + 7]) in shared memory,
+// a barrier, then warp 1 loads them as four 8x8 matrices (lane l hands in row l) and writes
+// each lane's four registers. plant 1: no barrier (warp 1 may read rows before warp 0 wrote
+// them: an uninitialised read or a race, whichever the schedule gives); plant 2: odd lanes hand
+// in a row address 8 bytes off (misaligned); plant 3: the rows' global copy instead of shared
+// memory.
+__global__ void ldmatrix_kernel(const uint16_t* in, int plant, uint32_t* out) {
+  __shared__ vec16 rows[32];
+  const int lane = lane_id();
+  if (warp_id() == 0) rows[lane] = ld16(in + 8 * lane);
+  if (plant != 1) __syncthreads();
+  if (warp_id() == 1) {
+    const void* p = &rows[lane];
+    if (plant == 2 && (lane & 1)) p = reinterpret_cast<const char*>(p) + 8;
+    if (plant == 3) p = in + 8 * lane;
+    uint32_t r[4];
+    ldmatrix_x4(r, p);
+    for (int i = 0; i < 4; ++i) out[4 * lane + i] = r[i];
+  }
+}
 #endif
 
 // round_bf16 of n values (the cvt.rn.bf16.f32 of the MMA build, the integer rounding otherwise).
@@ -176,6 +197,15 @@ bool mma(const uint16_t* a, const uint16_t* w, int plant, float* d) {
   return true;
 #else
   (void)a, (void)w, (void)plant, (void)d;
+  return false;
+#endif
+}
+bool ldmatrix(const uint16_t* in, int plant, uint32_t* out) {
+#if MOELAB_HAS_MMA_BF16
+  MOELAB_LAUNCH(ldmatrix_kernel, 1, 2 * kWarp, 0, nullptr, in, plant, out);
+  return true;
+#else
+  (void)in, (void)plant, (void)out;
   return false;
 #endif
 }
