@@ -526,6 +526,24 @@ def test_fused_experts_matches_reference(emu, quant, act):
                 assert same_bits(out, cpu), "tiled SIMT path differs from the CPU kernel (scalar level)"
 
 
+@FE_BUILDS
+@pytest.mark.parametrize("quant", ["bf16", "fp8_block", "mxfp4"])
+def test_fused_experts_tiled_pipeline(emu, quant):
+    """The tiled path's stage ring wraps (GEMM1 K = 352: 11 k steps through 3 stages; GEMM2 K =
+    160: 5), its column tiles end inside N (2I = 320 and H = 352: the last 128-column tile
+    holds 64 and 96 columns, so whole warps' columns are past N), and its expert blocks take
+    all four 16-row slices, three of them (40-row blocks) and two units (an 80-row block: 64
+    rows, then 16). Bit for bit with the CPU kernel at its scalar level (the
+    SIMT order; the emulated MMA adds in it too) and within the reference's tolerance."""
+    from tests.test_fused_experts_optimized import make_case
+    E, H, I, T, K = 3, 352, 160, 80, 2
+    x, w13, w2, tw, ids, kw = make_case(quant, "silu", E, H, I, T, K, seed=21)
+    ids = torch.stack([torch.zeros(T), torch.where(torch.arange(T) < 40, 1, 2)], 1).to(torch.int32)
+    out = fe_ok(emu, x, w13, w2, tw, ids, kw, FE_TILED)
+    assert same_bits(out, fe_cpu(x, w13, w2, tw, ids, kw))
+    fe_checker(x, w13, w2, tw, ids, kw)(out)
+
+
 @pytest.mark.parametrize("quant", ["bf16", "fp8_block"])
 def test_fused_experts_odd_sizes_and_strides(emu, quant):
     """H, I off every chunk width (scalar loads, zero k tails), N not a multiple of the column

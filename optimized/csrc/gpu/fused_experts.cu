@@ -54,17 +54,19 @@
 //     depends on K, the format's chunk width and the warp width only - never on T, m or the
 //     unit: a token's output is the same bits alone or in any batch when every block takes
 //     this path (batch invariant).
-//   tiled (fe_tiled): a block owns kFeTileM rows x kFeTileN columns; per k step of kTileK,
-//     the weight tile is dequantized ONCE into shared memory as bf16 and the activation tile
-//     staged beside it, then every row reuses it.
-//       CUDA sm_80+: tensor cores, mma.sync m16n8k16 bf16 -> f32 (portability.h), 4 warps of
-//       32x32. The hardware's order of additions inside an MMA is not specified, so this
-//       path is deterministic but not batch invariant: in batch-invariant mode
-//       optimized.dispatch sends every block to the small-m path.
-//       HIP, older CUDA and the CPU emulator's default builds: SIMT, each thread a TMx4 register tile with
-//       one fmaf per k in ascending order: the CPU kernel's order at its scalar, avx2 and
-//       avx512 levels, so there the two agree bit for bit (tests/test_gpu_emulated.py; the
-//       emulator's MMA build runs the tensor-core branch with the instruction emulated).
+//   tiled (fe_tiled): a grouped GEMM; a block owns kFeTileM rows x kFeTileN columns and walks
+//     K through a ring of shared-memory stages filled by cp.async; the weight tile of a step is
+//     dequantized ONCE into shared memory as bf16 and every row reuses it (the section
+//     "tiled path" below has the pipeline and its layout).
+//       CUDA sm_80+: tensor cores, ldmatrix fragments and mma.sync m16n8k16 bf16 -> f32
+//       (portability.h), 8 warps of 64 rows x 16 columns. The hardware's order of additions
+//       inside an MMA is not specified, so this path is deterministic but not batch invariant:
+//       in batch-invariant mode optimized.dispatch sends every block to the small-m path.
+//       HIP, older CUDA and the CPU emulator's default builds: SIMT, each thread a 4 x 8
+//       register tile with one fmaf per k in ascending order: the CPU kernel's order at its
+//       scalar, avx2 and avx512 levels, so there the two agree bit for bit (tests/
+//       test_gpu_emulated.py; the emulator's MMA build runs the tensor-core branch with
+//       ldmatrix and the MMA emulated).
 //   An exact-zero sum is +0 on every path (accumulators start at +0), so zero padding of a
 //   k tail never changes a bit.
 //
@@ -86,11 +88,13 @@
 //     load, multiply) instructions per weight plus one FMA per row, so the small path
 //     stays near the memory floor only with full occupancy and several loads in flight per
 //     lane (a warp's columns x its batch of chunks, issued before decoding).
-//   prefill is compute: flops = 2 * rows * 3 * H * I: Qwen3 T=512 (4096 rows) 38.7 GFLOP ->
-//     39 us; GPT-OSS T=512 (2048 rows) 102 GFLOP -> 103 us. The tiled kernel is a plain
-//     mma.sync kernel (no ldmatrix, no cp.async pipeline, one 64x64 tile per block) and
-//     is expected to reach a fraction of that peak; it exists to take large blocks off the
-//     small path, which re-reads the weights for every unit of 8 rows.
+//   prefill T=512 reads each routed expert's weights once per 64-row unit and does
+//     2 * rows * 3 * H * I flops: Qwen3 (4096 rows, all 128 experts, 604 MB of fp8 weights,
+//     38.7 GFLOP) is bound by the weights: ~126 us to read them, ~39 us of MMAs (64 flops per
+//     weight byte, below the H200's ~206); GPT-OSS (2048 rows, 423 MB, 102 GFLOP) by both:
+//     ~88 us of reads, ~103 us of MMAs. The tiled kernel needs several weight loads in flight
+//     per SM (its cp.async stages: 2 blocks x 2 stages x ~9 KB of fp8) and its dequantization
+//     beside the MMAs (16 weights per thread per step against 16 MMAs per warp at 64 rows).
 #include <type_traits>
 
 #include "block_scan.cuh"
@@ -102,9 +106,7 @@ namespace {
 
 constexpr int kSmallWarps = 4;
 constexpr int kSmallThreads = kSmallWarps * kWarp;
-constexpr int kTileK = 64;
-constexpr int kTileLd = kTileK + 8;                   // padded smem row: conflict-free fragments
-constexpr int kTileThreads = 4 * kWarp;
+constexpr int kTileThreads = 256;                     // the tiled path: 8 warps (CUDA), 4 waves (HIP)
 constexpr int kPlanThreads = 256;
 constexpr int kAuxThreads = 256;
 constexpr int64_t kMaxGrid = 4096;                    // GEMM blocks loop over their work items
@@ -418,22 +420,143 @@ fe_small(FeGemm g) {
 }
 
 // --------------------------------------------------------------------------- tiled path
+// A grouped GEMM over the tiled units: a block owns kFeTileM rows of one expert block x
+// kFeTileN output columns and walks K in steps of kTileK through a kStages-deep ring of shared
+// memory stages, each holding the activation tile (kFeTileM x kTileK bf16) and the weight tile
+// as stored (bf16, or the fp8 / mxfp4 codes: 1 / 0.5 bytes per weight). Step s:
+//   1. wait for this thread's copies of stage s (cp.async groups), then a block barrier: stage
+//      s has landed for every thread and every warp is done with step s - 1;
+//   2. issue the copies of step s + kStages - 1 into the slot step s - 1 used (cp.async on
+//      sm_80+: the loads of the next stages are in flight while this one computes);
+//   3. fp8 / mxfp4: the codes of stage s dequantized ONCE into one bf16 tile (sB), then a barrier;
+//      bf16 weights are read straight from their stage;
+//   4. the products: CUDA sm_80+, each of the 8 warps owns 16 output columns x all 64 rows:
+//      per 16 k, one ldmatrix.x4 gives the B fragments of its two n8 blocks, one ldmatrix.x4 per
+//      16-row slice the A fragments, two mma.sync m16n8k16 per slice (slices past the unit's
+//      rows skipped: a 32-row expert block costs half the MMAs); elsewhere SIMT, each thread a
+//      4 x 8 register tile with one fmaf per k, k ascending (the CPU's order).
+// Shared memory (static, < 48 KB: no opt-in needed), per stage: A 64 x 40 bf16 (rows padded
+// by 16 bytes: the 8 row addresses of an ldmatrix fall in 8 different 16-byte bank groups),
+// W: bf16 128 x 40 (the same padding), fp8 128 x 32 bytes, mxfp4 128 x 16 bytes; plus the
+// dequantized tile 128 x 40 bf16 for fp8 / mxfp4. 3 stages: 46 KB (bf16), 37 KB (fp8),
+// 31 KB (mxfp4).
+// Cost per k step (CUDA): 4 to 16 MMAs per warp (16 to 64 rows) against, for fp8 / mxfp4, 16
+// weights dequantized per thread (about 5 instructions each): the two are of the same order,
+// which is why one dequantized tile serves all 64 rows and all 8 warps.
+constexpr int kStages = 3;
+constexpr int kTileK = 32;
+constexpr int kTileLd = kTileK + 8;                   // padded bf16 row of a tile in shared memory
+
+// Shared-memory bytes of the tiled kernel for format Q.
+template <int Q> constexpr int kRawRowBytes = Q == kFeBF16 ? 2 * kTileLd : Q == kFeFP8 ? kTileK : kTileK / 2;
+constexpr int kStageABytes = kFeTileM * kTileLd * 2;
+template <int Q> constexpr int kStageWBytes = kFeTileN * kRawRowBytes<Q>;
+template <int Q> constexpr int kTiledSmemBytes =
+    kStages * (kStageABytes + kStageWBytes<Q>) + (Q == kFeBF16 ? 0 : kFeTileN * kTileLd * 2);
+static_assert(kTiledSmemBytes<kFeBF16> + kFeTileM * 8 + 64 <= 48 * 1024, "the tiled kernel's static shared memory");
+static_assert(kTileThreads == 4 * kFeTileM && kTileThreads == 2 * kFeTileN, "the tiled kernel's thread maps");
+
+MOELAB_DEV vec16 v16(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  vec16 v;
+  v.x = a; v.y = b; v.z = c; v.w = d;
+  return v;
+}
+
+// Issue the copies of k step ks into a stage: the activation tile (thread t: row t / 4, 8
+// elements at 8 (t % 4)) and the weight tile as stored (zeros past m, N and K). VEC: 16-byte
+// cp.async (rows 16-byte aligned, K a multiple of the chunk, so a chunk is all in or all out
+// of K); else plain loads with zeros past K, stored at once.
 template <int Q, bool VEC>
-__global__ void __launch_bounds__(kTileThreads, 1)
+MOELAB_DEV void tiled_issue(const FeGemm& g, int64_t e, int64_t n0, const int64_t* arow, int64_t ks, uint16_t* sA,
+                            uint8_t* sW) {
+  const int t = int(threadIdx.x);
+  const int64_t k0 = ks * kTileK;
+  {
+    const int r = t >> 2, cc = t & 3;
+    const int64_t k = k0 + 8 * cc;
+    uint16_t* dst = sA + r * kTileLd + 8 * cc;
+    if (arow[r] < 0 || k >= g.K) {
+      st16(dst, vec16{});
+    } else if constexpr (VEC) {
+      cp_async16(dst, g.act + arow[r] + k);
+    } else {
+      const uint16_t* src = g.act + arow[r];
+      uint32_t h[8];
+#pragma unroll
+      for (int q = 0; q < 8; ++q) h[q] = k + q < g.K ? src[k + q] : 0u;
+      st16(dst, v16(h[0] | (h[1] << 16), h[2] | (h[3] << 16), h[4] | (h[5] << 16), h[6] | (h[7] << 16)));
+    }
+  }
+  constexpr int CE = kChunk<Q>, CPR = kTileK / CE;    // chunks per weight row and step: 4, 2, 1
+  const int64_t rb = row_bytes(Q, g.K);
+  for (int i = t; i < kFeTileN * CPR; i += kTileThreads) {
+    const int r = i / CPR, cc = i - r * CPR;
+    const int64_t n = n0 + r, c = k0 / CE + cc;      // c: the chunk's index in its row
+    uint8_t* dst = sW + r * kRawRowBytes<Q> + 16 * cc;
+    if (n >= g.N || c * CE >= g.K) st16(dst, vec16{});
+    else if constexpr (VEC) cp_async16(dst, g.w + (e * g.N + n) * rb + 16 * c);
+    else st16(dst, load_chunk<false>(g.w + (e * g.N + n) * rb, c, rb));
+  }
+}
+
+// fp8 / mxfp4: the codes of one stage -> the bf16 tile sB (zeros past N and K). Thread t takes
+// row t % 128 and 16 codes: fp8 chunk t / 128 of the row's two, mxfp4 half t / 128 of its
+// one 32-code chunk (t / 128 is the same for a whole warp). sc: the codes' scale.
+template <int Q>
+MOELAB_DEV void tiled_dequant(const FeGemm& g, int64_t n0, int64_t ks, const uint8_t* sW, float sc, const float* lut,
+                              uint16_t* sB) {
+  const int t = int(threadIdx.x), r = t % kFeTileN, half = t / kFeTileN;
+  const int64_t kc = ks * kTileK + 16 * half;         // the first k of the thread's 16 codes
+  vec16 raw = ld16(sW + r * kRawRowBytes<Q> + (Q == kFeFP8 ? 16 * half : 0));
+  if constexpr (Q == kFeMXFP4) {
+    if (half) raw = v16(raw.z, raw.w, 0u, 0u);
+  }
+  const bool live = n0 + r < g.N && kc < g.K;
+  uint16_t* dst = sB + r * kTileLd + 16 * half;
+  auto sub = [&](auto s_const) {
+    constexpr int S = decltype(s_const)::value;
+    float wv[8];
+    if (live) {
+      dequant8<Q, S>(raw, sc, lut, wv);
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+        if (kc + 8 * S + q >= g.K) wv[q] = 0.0f;     // a K tail inside the chunk (unaligned rows)
+    } else {
+#pragma unroll
+      for (int q = 0; q < 8; ++q) wv[q] = 0.0f;
+    }
+    st16(dst + 8 * S, v16(pack2<Fmt::kBF16>(wv[0], wv[1]), pack2<Fmt::kBF16>(wv[2], wv[3]),
+                          pack2<Fmt::kBF16>(wv[4], wv[5]), pack2<Fmt::kBF16>(wv[6], wv[7])));
+  };
+  sub(std::integral_constant<int, 0>{});
+  sub(std::integral_constant<int, 1>{});
+}
+
+// The scale of the codes tiled_dequant gives this thread at step ks (0 where it has none).
+template <int Q>
+MOELAB_DEV float tiled_scale(const FeGemm& g, int64_t e, int64_t n0, int64_t ks) {
+  const int t = int(threadIdx.x);
+  const int64_t n = n0 + t % kFeTileN, kc = ks * kTileK + 16 * (t / kFeTileN);
+  if (Q == kFeBF16 || n >= g.N || kc >= g.K) return 0.0f;
+  return chunk_scale<Q>(scale_row<Q>(g, e, n), kc);
+}
+
+template <int Q, bool VEC>
+__global__ void __launch_bounds__(kTileThreads, 2)
 fe_tiled(FeGemm g) {
-  constexpr int CE = kChunk<Q>, CPR = kTileK / CE;
-  __shared__ vec16 sA16[kFeTileM * kTileLd / 8];     // vec16: 16-byte aligned tiles
-  __shared__ vec16 sB16[kFeTileN * kTileLd / 8];
-  uint16_t* const sA = reinterpret_cast<uint16_t*>(sA16);
-  uint16_t* const sB = reinterpret_cast<uint16_t*>(sB16);
+  __shared__ vec16 smem[kTiledSmemBytes<Q> / 16];
   __shared__ int64_t arow[kFeTileM];                // element offset of each row's activations, or -1
   __shared__ float lut[16];
+  uint8_t* const base = reinterpret_cast<uint8_t*>(smem);
+  auto stage_a = [&](int64_t ks) { return reinterpret_cast<uint16_t*>(base + (ks % kStages) * kStageABytes); };
+  auto stage_w = [&](int64_t ks) { return base + kStages * kStageABytes + (ks % kStages) * kStageWBytes<Q>; };
+  uint16_t* const sB = reinterpret_cast<uint16_t*>(base + kStages * (kStageABytes + kStageWBytes<Q>));
   if constexpr (Q == kFeMXFP4) {
     if (threadIdx.x < 16) lut[threadIdx.x] = e2m1_f32(threadIdx.x);
     __syncthreads();
   }
   const int64_t n_units = *g.n_units;
-  const int64_t rb = row_bytes(Q, g.K);
+  const int64_t nk = cdiv(g.K, kTileK);
   for (int64_t w = blockIdx.x; w < g.work; w += gridDim.x) {
     const int64_t u = w / g.n_tiles;
     if (u >= n_units) break;
@@ -444,12 +567,12 @@ fe_tiled(FeGemm g) {
     __syncthreads();
 #if MOELAB_HAS_MMA_BF16
     const int lane = lane_id(), warp = warp_id(), gq = lane >> 2, tq = lane & 3;
-    const int wm = warp >> 1, wn = warp & 1;        // 2 x 2 warps of 32 x 32
-    float acc[2][4][4];
+    const bool cols_live = n0 + 16 * warp < g.N;    // the warp's 16 columns: some inside N
+    float acc[4][2][4];
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) acc[i][j][q] = 0.0f;
 #else
@@ -461,85 +584,50 @@ fe_tiled(FeGemm g) {
 #pragma unroll
       for (int j = 0; j < TN; ++j) acc[i][j] = 0.0f;
 #endif
-    for (int64_t k0 = 0; k0 < g.K; k0 += kTileK) {
-      // Weight tile: kFeTileN rows x kTileK k, dequantized once to bf16 (zeros past N and K).
-      for (int i = threadIdx.x; i < kFeTileN * CPR; i += kTileThreads) {
-        const int r = i / CPR, cc = i - r * CPR;
-        const int64_t n = n0 + r, k = k0 + int64_t(cc) * CE;
-        uint16_t* dst = sB + r * kTileLd + cc * CE;
-        vec16 raw{};
-        float sc = 0.0f;
-        const bool live = n < g.N && k < g.K;
-        if (live) {
-          raw = load_chunk<VEC>(g.w + (un.e * g.N + n) * rb, k / CE, rb);
-          sc = chunk_scale<Q>(scale_row<Q>(g, un.e, n), k);
-        }
-        auto sub = [&](auto s_const) {
-          constexpr int S = decltype(s_const)::value;
-          float wv[8];
-          dequant8<Q, S>(raw, sc, lut, wv);
-#pragma unroll
-          for (int q = 0; q < 8; ++q)
-            if (!live || k + 8 * S + q >= g.K) wv[q] = 0.0f;
-          vec16 o;
-          o.x = pack2<Fmt::kBF16>(wv[0], wv[1]); o.y = pack2<Fmt::kBF16>(wv[2], wv[3]);
-          o.z = pack2<Fmt::kBF16>(wv[4], wv[5]); o.w = pack2<Fmt::kBF16>(wv[6], wv[7]);
-          st16(dst + 8 * S, o);
-        };
-        sub(std::integral_constant<int, 0>{});
-        if constexpr (CE >= 16) sub(std::integral_constant<int, 1>{});
-        if constexpr (CE >= 32) {
-          sub(std::integral_constant<int, 2>{});
-          sub(std::integral_constant<int, 3>{});
-        }
+#pragma unroll 1
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < nk) tiled_issue<Q, VEC>(g, un.e, n0, arow, s, stage_a(s), stage_w(s));
+      cp_async_commit();
+    }
+#pragma unroll 1
+    for (int64_t ks = 0; ks < nk; ++ks) {
+      const float sc = tiled_scale<Q>(g, un.e, n0, ks);   // loaded while the stage lands
+      cp_async_wait<kStages - 2>();
+      __syncthreads();
+      if (ks + kStages - 1 < nk)
+        tiled_issue<Q, VEC>(g, un.e, n0, arow, ks + kStages - 1, stage_a(ks + kStages - 1), stage_w(ks + kStages - 1));
+      cp_async_commit();
+      const uint16_t* a = stage_a(ks);
+      const uint16_t* b = reinterpret_cast<const uint16_t*>(stage_w(ks));
+      if constexpr (Q != kFeBF16) {
+        tiled_dequant<Q>(g, n0, ks, stage_w(ks), sc, lut, sB);
+        __syncthreads();
+        b = sB;
       }
-      // Activation tile: kFeTileM rows x kTileK (zeros past m and K).
-      for (int i = threadIdx.x; i < kFeTileM * (kTileK / 8); i += kTileThreads) {
-        const int r = i / (kTileK / 8), cc = i - r * (kTileK / 8);
-        const int64_t k = k0 + 8 * cc;
-        vec16 v{};
-        if (arow[r] >= 0 && k < g.K) {
-          if constexpr (VEC) {
-            v = ld16(g.act + arow[r] + k);
-          } else {
-            const uint16_t* src = g.act + arow[r];
-            uint32_t h[8];
+#if MOELAB_HAS_MMA_BF16
+      if (cols_live) {
 #pragma unroll
-            for (int q = 0; q < 8; ++q) h[q] = k + q < g.K ? src[k + q] : 0u;
-            v.x = h[0] | (h[1] << 16); v.y = h[2] | (h[3] << 16);
-            v.z = h[4] | (h[5] << 16); v.w = h[6] | (h[7] << 16);
+        for (int kk = 0; kk < kTileK; kk += 16) {
+          // B: lane l hands in row 16 warp + 8 (l / 16) + l % 8, k kk + 8 ((l / 8) % 2): matrices
+          // (n8 block 0, k lo), (0, k hi), (1, lo), (1, hi) = bf[0][0], bf[0][1], bf[1][0], bf[1][1].
+          uint32_t bq[4];
+          ldmatrix_x4(bq, b + (16 * warp + 8 * (lane >> 4) + (lane & 7)) * kTileLd + kk + 8 * ((lane >> 3) & 1));
+          const uint32_t bf0[2] = {bq[0], bq[1]}, bf1[2] = {bq[2], bq[3]};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            if (16 * i >= un.m) break;
+            // A: lane l hands in row 16 i + l % 16, k kk + 8 (l / 16): a[0..3] of the slice.
+            uint32_t af[4];
+            ldmatrix_x4(af, a + (16 * i + (lane & 15)) * kTileLd + kk + 8 * (lane >> 4));
+#if defined(MOELAB_EMU) && defined(MOELAB_PLANT_MMA_LAYOUT)   // negative control (tests only)
+            const uint32_t sw = af[1];
+            af[1] = af[2];
+            af[2] = sw;
+#endif
+            mma_bf16_16816(acc[i][0], af, bf0);
+            mma_bf16_16816(acc[i][1], af, bf1);
           }
         }
-        st16(sA + r * kTileLd + 8 * cc, v);
-      }
-      __syncthreads();
-#if MOELAB_HAS_MMA_BF16
-#pragma unroll
-      for (int kk = 0; kk < kTileK; kk += 16) {
-        uint32_t a[2][4], b[4][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-          const uint16_t* pa = sA + (wm * 32 + i * 16 + gq) * kTileLd + kk + 2 * tq;
-          a[i][0] = *reinterpret_cast<const uint32_t*>(pa);
-          a[i][1] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd);
-          a[i][2] = *reinterpret_cast<const uint32_t*>(pa + 8);
-          a[i][3] = *reinterpret_cast<const uint32_t*>(pa + 8 * kTileLd + 8);
-#if defined(MOELAB_EMU) && defined(MOELAB_PLANT_MMA_LAYOUT)   // negative control (tests only)
-          const uint32_t t = a[i][1];
-          a[i][1] = a[i][2];
-          a[i][2] = t;
-#endif
-        }
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const uint16_t* pb = sB + (wn * 32 + j * 8 + gq) * kTileLd + kk + 2 * tq;
-          b[j][0] = *reinterpret_cast<const uint32_t*>(pb);
-          b[j][1] = *reinterpret_cast<const uint32_t*>(pb + 8);
-        }
-#pragma unroll
-        for (int i = 0; i < 2; ++i)
-#pragma unroll
-          for (int j = 0; j < 4; ++j) mma_bf16_16816(acc[i][j], a[i], b[j]);
       }
 #else
       // One fmaf per k, k ascending (even then odd of each pair): the CPU's scalar order.
@@ -547,13 +635,13 @@ fe_tiled(FeGemm g) {
         float a0[TM], a1[TM], b0[TN], b1[TN];
 #pragma unroll
         for (int i = 0; i < TM; ++i) {
-          const uint32_t p = *reinterpret_cast<const uint32_t*>(sA + (ty * TM + i) * kTileLd + kk);
+          const uint32_t p = *reinterpret_cast<const uint32_t*>(a + (ty * TM + i) * kTileLd + kk);
           a0[i] = bf16_lo(p);
           a1[i] = bf16_hi(p);
         }
 #pragma unroll
         for (int j = 0; j < TN; ++j) {
-          const uint32_t p = *reinterpret_cast<const uint32_t*>(sB + (tx + TX * j) * kTileLd + kk);
+          const uint32_t p = *reinterpret_cast<const uint32_t*>(b + (tx + TX * j) * kTileLd + kk);
           b0[j] = bf16_lo(p);
           b1[j] = bf16_hi(p);
         }
@@ -566,17 +654,18 @@ fe_tiled(FeGemm g) {
           }
       }
 #endif
-      __syncthreads();                             // the tiles are rewritten by the next step
     }
+    cp_async_wait<0>();                            // only empty groups remain
+    __syncthreads();                               // stages and arow are rewritten by the next unit
 #if MOELAB_HAS_MMA_BF16
 #pragma unroll
-    for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 4; ++i)
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 2; ++j)
 #pragma unroll
         for (int q = 0; q < 4; ++q) {
-          const int r = wm * 32 + i * 16 + gq + (q >= 2 ? 8 : 0);
-          const int64_t n = n0 + wn * 32 + j * 8 + 2 * tq + (q & 1);
+          const int r = 16 * i + gq + (q >= 2 ? 8 : 0);
+          const int64_t n = n0 + 16 * warp + 8 * j + 2 * tq + (q & 1);
           if (r < un.m && n < g.N) store_out(g, un.e, un.p0 + r, n, acc[i][j][q]);
         }
 #else

@@ -151,7 +151,7 @@ enum FeQuant : int { kFeBF16 = 0, kFeFP8 = 1, kFeMXFP4 = 2 };
 enum FePolicy : int { kFeAllSmall = 0, kFeAllTiled = 1, kFePerBlock = 2 };
 enum FeActivation : int { kFeSilu = 0, kFeSwigluOai = 1 };
 constexpr int kFeTileM = 64;          // rows of an expert block per tiled-path unit
-constexpr int kFeTileN = 64;          // output columns per tiled-path block
+constexpr int kFeTileN = 128;         // output columns per tiled-path block
 constexpr int kFeSmallMaxRows = 8;    // rows per small-path unit (1, 2, 4 or 8, from T)
 
 struct FusedExpertsArgs {
