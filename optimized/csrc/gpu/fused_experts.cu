@@ -40,7 +40,11 @@
 //          scale * 2^120 (fp8_fast).
 //   mxfp4: e2m1(code) * 2^(s-127) from a 16-entry table in shared memory times the e8m0
 //          scale (s = 255: NaN). Exact in f32 and in bf16 (two significant bits), so it needs
-//          no rounding: the same value as the CPU's bf16 weight.
+//          no rounding: the same value as the CPU's bf16 weight. The table costs one shared
+//          load per weight, one issue slot like the nibble extract it replaces; computing the
+//          f32 bits instead (two shifts and a mask, as fp8_top does) would put 3 integer
+//          instructions per weight on the integer pipe, which at 36 mxfp4 weights per SM cycle
+//          would cap the decode near 60% of the bandwidth.
 //   Subnormal weights and activations are computed as IEEE says: the kernels rely on f32
 //   denormals being kept (no -ftz / fast-math; neither torch's build nor the compile check
 //   sets them). (The CPU at avx512_bf16 flushes them; other CPU levels keep them.)
@@ -84,8 +88,8 @@
 //     52.9 MB -> 11 us; T=4: ~13 experts ~175 MB -> ~36 us.
 //     Plus 6 launches (~2-3 us each outside a CUDA graph, ~1 us inside one). At full
 //     bandwidth an SM must retire ~18 fp8 (36 mxfp4) weights per cycle; decoding costs ~6
-//     (fp8: shift/or, one multiply, the bf16 rounding) and ~3 (mxfp4: nibble, table
-//     load, multiply) instructions per weight plus one FMA per row, so the small path
+//     (fp8: two shifts and a mask, one multiply, the bf16 rounding and its widening) and ~3
+//     (mxfp4: nibble, table load, multiply) instructions per weight plus one FMA per row, so the small path
 //     stays near the memory floor only with full occupancy and several loads in flight per
 //     lane (a warp's columns x its batch of chunks, issued before decoding).
 //   prefill T=512 reads each routed expert's weights once per 64-row unit and does
@@ -169,7 +173,14 @@ MOELAB_DEV float e2m1_f32(uint32_t c) {
 // bf16(f32(e4m3(b)) * scale), widened. The e4m3 bits shifted into an f32's exponent and
 // mantissa fields are exactly e4m3 * 2^-120 (a normal e4m3 lands in a normal f32, a subnormal
 // in a subnormal one), so * 2^120 restores e4m3(b) exactly.
-MOELAB_DEV float fp8_bits(uint32_t b) { return __uint_as_float(((b & 0x80u) << 24) | ((b & 0x7fu) << 20)); }
+// fp8_top: those f32 bits from a word whose top byte is the code (the bytes below are
+// ignored): an arithmetic shift by 4 keeps the sign in bit 31 and moves the other 7 bits to
+// 26..20, one mask clears the rest. From a packed word that is 3 integer instructions per
+// weight (shift the byte up, shift down, mask) instead of 4 or 5 (extract, two masks, two
+// shifts, or): the integer pipe, half as wide as the f32 one on sm_80 / sm_90, is what the
+// small path's decode loads most (docs/gpu.md, "what should limit each path").
+MOELAB_DEV float fp8_top(uint32_t top) { return __uint_as_float(uint32_t(int32_t(top) >> 4) & 0x87f00000u); }
+MOELAB_DEV float fp8_bits(uint32_t b) { return fp8_top(b << 24); }
 MOELAB_DEV float fp8_weight(uint32_t b, float scale) {
   if ((b & 0x7fu) == 0x7fu) return __uint_as_float(0x7fc00000u);          // e4m3fn NaN
   return round_bf16(mul_rn(mul_rn(fp8_bits(b), 0x1p120f), scale));
@@ -230,8 +241,8 @@ MOELAB_DEV void dequant8(vec16 v, float sc, const float* lut, float (&w)[8]) {
       const float f = mul_rn(sc, 0x1p120f);   // exact: |sc| < 2^8
 #pragma unroll
       for (int q = 0; q < 4; ++q) {
-        w[q] = round_bf16(mul_rn(fp8_bits((lo >> (8 * q)) & 0xffu), f));
-        w[q + 4] = round_bf16(mul_rn(fp8_bits((hi >> (8 * q)) & 0xffu), f));
+        w[q] = round_bf16(mul_rn(fp8_top(lo << (24 - 8 * q)), f));
+        w[q + 4] = round_bf16(mul_rn(fp8_top(hi << (24 - 8 * q)), f));
       }
     } else {
 #pragma unroll
