@@ -245,6 +245,27 @@ def test_bf16_accumulation_bug_fails():
     assert r2.ratio <= 0.5
 
 
+def test_the_worst_element_names_the_tolerance_term_that_bounds_it():
+    """tol_i = c * max(n(eager), n_floor) * a_i + f_i: at the worst element arith_check says which
+    term is the larger (verify.tolerance.BOUNDS), so a report can tell a kernel as exact as eager
+    from one that only fits under a floor."""
+    v = torch.ones(3, dtype=torch.float64)
+    a = torch.ones(3, dtype=torch.float64)
+    y = (v + torch.tensor([2e-5, 0.0, 0.0], dtype=torch.float64)).float()
+    eager = (v + torch.tensor([0.0, 1e-5, 0.0], dtype=torch.float64)).float()
+    r = tol.arith_check(y, v.float(), eager, v, a, torch.float32, n_floor=1e-7)
+    assert r.bound == "eager term" and 0.4 < r.ratio < 0.6 and "bounded by the eager term" in r.detail
+    r = tol.arith_check(y, v.float(), v.float(), v, a, torch.float32, n_floor=1e-5)
+    assert r.bound == "sum floor" and 0.4 < r.ratio < 0.6
+    flip = torch.tensor([1e-3, 0.0, 0.0], dtype=torch.float64)
+    y = (v + torch.tensor([5e-4, 0.0, 0.0], dtype=torch.float64)).float()
+    r = tol.arith_check(y, v.float(), v.float(), v, a, torch.float32, n_floor=1e-7, extra=flip, keep_ratios=True)
+    assert r.bound == "one-flip floor" and 0.4 < r.ratio < 0.6
+    assert r.bounds.tolist() == [2, 1, 1]          # elsewhere the sum floor (eager is exact here)
+    r = tol.arith_check(v.float(), v.float(), v.float(), v, a, torch.float32, n_floor=1e-7)
+    assert r.ratio == 0.0 and r.bound == ""
+
+
 def _round_once(v, dt):
     if dt == torch.float32:
         return v.to(torch.float32)                 # f64 -> f32 is one rounding
@@ -621,6 +642,9 @@ def test_cli_repro_and_report(tmp_path):
     assert data["ok"] and {c["dist"] for c in data["cells"]} == {"uniform", "zipf"}
     md = (tmp_path / "v.md").read_text()
     assert "Error over tolerance" in md and "## Bad-input fuzz" in md
+    worst = [c for c in data["cells"] if c["worst_ratio"]]
+    assert worst and all(c["worst_bound"] in tol.BOUNDS for c in worst)
+    assert "(bounded by the " in md and "bounded by the " in r.stdout
 
 
 # ---------------------------------------------- seed 004's before kernel (route_variant serial)

@@ -215,6 +215,7 @@ class CellStats:
     bins: List[int] = field(default_factory=lambda: [0] * len(BIN_LABELS))
     worst: Optional[float] = None
     worst_structure: Optional[dict] = None
+    worst_bound: str = ""              # the tolerance term at the worst case's worst element
     flips: int = 0
     flip_gaps: List[float] = field(default_factory=list)
     bi_checks: int = 0                 # cases whose batch-invariance property was checked
@@ -238,7 +239,7 @@ class CellStats:
                 i = len(RATIO_BINS) - 1
             self.bins[i] += 1
             if self.worst is None or v > self.worst:
-                self.worst, self.worst_structure = v, structure
+                self.worst, self.worst_structure, self.worst_bound = v, structure, r.bound
         self.flips += r.flips
         self.bi_checks += int(r.bi_checked)
         self.reroutes += r.reroutes
@@ -261,7 +262,7 @@ class CellStats:
         return {"op": self.op, "backend": self.backend, "dist": self.dist, "status": self.status,
                 "cases": self.cases, "failures": self.failures, "exact_cases": self.exact_cases,
                 "ratio_histogram": dict(zip(BIN_LABELS, self.bins)), "worst_ratio": self.worst,
-                "worst_structure": self.worst_structure, "near_tie_flips": self.flips,
+                "worst_structure": self.worst_structure, "worst_bound": self.worst_bound, "near_tie_flips": self.flips,
                 "flip_gaps_ulps": self.flip_gaps, "batch_invariance_checks": self.bi_checks,
                 "logit_reroutes": self.reroutes,
                 "paths": dict(self.paths), "served": dict(self.served), "verified": not self.not_verified,

@@ -41,6 +41,20 @@ H <= 3072, random data |v_i| ~ a_i / sqrt(H)): the bug is 2^5..2^10 times over t
 would pass it. For bf16/f16 outputs the output rounding is taken out exactly, so a kernel
 that accumulates in bf16 (error ~ sqrt(k) * 2^-9 * a) fails by orders of magnitude.
 
+Reading a worst ratio near 1: the report names the term of tol that bounded each op's worst
+case (BOUNDS below). Under the eager term the kernel is about c times less exact than eager
+PyTorch, the margin the rule means. Under the one-flip floor (fused_experts, moe_forward, the
+layers) the output moved by one intermediate bf16 rounding, of h or of a, that landed on the
+other side of its midpoint on a term near the largest: every f32 implementation does that
+somewhere (eager too, on other elements), whatever its reduction order, so a ratio near 1
+there is one such flip, not a drifting kernel (two flips on the largest terms of one output
+would fail). The worst layer case of a 100 s `make verify`-style run on an AVX-512 BF16 Zen 4,
+    python -m verify --repro '{"op": "layer.flex_olmo", "backend": "cpu", "dist": "zipf",
+      "family": "flex_olmo", "quant": "bf16", "H": 256, "I": 32, "E": 32, "K": 2, "n_group": 1,
+      "topk_group": 1, "S": 0, "dispatch": "tiny", "T": 72, "seed": 1005, "dchoice": 5, "bi": false}'
+is such a flip (its fused_experts stage) with the same ratio and bound under MOELAB_ISA=scalar,
+avx2, avx512 and avx512_bf16: the AVX2 kernels use the tolerance exactly as the AVX-512 ones.
+
 Nonfinite outputs: where the reference output g is NaN or +-inf the kernel must give the
 same (NaN for NaN, the same infinity); a nonfinite y where g is finite is a failure.
 """
@@ -118,10 +132,22 @@ class ArithResult:
     worst: tuple             # index of the worst element
     detail: str
     ratios: Optional[torch.Tensor] = None   # per element (float64), when asked for
+    bound: str = ""          # the term of tol that is largest at the worst element (BOUNDS)
+    bounds: Optional[torch.Tensor] = None   # that term's index per element (int8), with ratios
 
     @property
     def ok(self) -> bool:
         return self.ratio <= 1.0
+
+
+# The three terms a tolerance is the larger of (tol_i = c * max(n(b), n_floor) * a_i + f_i): which
+# one bounds the worst element says what a ratio near 1 means. "eager term": the kernel's error is
+# about c times the eager code's; "sum floor": eager was (luckily) more exact than a k-term f32
+# sum can be promised to be; "one-flip floor": the error is one intermediate bf16 rounding
+# landing on the other side of its midpoint on the largest term (fused_experts), which both
+# the eager code and any kernel do somewhere; a ratio near 1 there is one flip on a term near
+# the largest, whatever the kernel's reduction order.
+BOUNDS = ("eager term", "sum floor", "one-flip floor")
 
 
 def computation_error(y: torch.Tensor, v: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
@@ -157,7 +183,9 @@ def arith_check(y: torch.Tensor, g: torch.Tensor, b: torch.Tensor, v: torch.Tens
     n_kernel = float(torch.where(pos, ey / safe_a, torch.where(ey > 0, math.inf, 0.0)).max())
     n_eff = max(n_eager, n_floor)
     tol = c * n_eff * a64
+    kinds = torch.full(a64.shape, 0 if n_eager >= n_floor else 1, dtype=torch.int8)
     if extra is not None:
+        kinds = torch.where(extra.to(torch.float64) > tol, torch.full_like(kinds, 2), kinds)
         tol = tol + extra.to(torch.float64)
     ratio_i = torch.where(ey > 0, ey / tol, torch.zeros_like(ey))       # ey > 0 and tol == 0: inf
     ratio_i = torch.where(bad, torch.full_like(ratio_i, math.inf), ratio_i)
@@ -169,7 +197,9 @@ def arith_check(y: torch.Tensor, g: torch.Tensor, b: torch.Tensor, v: torch.Tens
               f"reference {float(g64[worst]):.9g}, eager {float(b.to(torch.float64)[worst]):.9g}, "
               f"magnitude {float(a64[worst]):.4g}, tolerance {float(tol[worst]):.4g}; n(kernel) = {n_kernel:.3g}, "
               f"n(eager) = {n_eager:.3g}, floor {n_floor:.3g}")
-    return ArithResult(ratio, n_kernel, n_eager, worst, detail, ratio_i if keep_ratios else None)
+    bound = BOUNDS[int(kinds.reshape(-1)[flat])] if ratio > 0 else ""
+    return ArithResult(ratio, n_kernel, n_eager, worst, detail + (f"; bounded by the {bound}" if bound else ""),
+                       ratio_i if keep_ratios else None, bound, kinds if keep_ratios else None)
 
 
 def gemm_floor(k: int) -> float:

@@ -41,11 +41,12 @@ class CaseResult:
     bi_checked: bool = False         # the batch-invariance property was checked and held
     reroutes: int = 0                # moe_forward: tokens whose (tolerated) logit error changed the experts
     served: Any = None               # what ran: verify.provenance.Served (kernel, library, empty, fallback)
+    bound: str = ""                  # the tolerance term at the worst element (verify.tolerance.BOUNDS)
 
     def to_json(self) -> dict:
         return {"ok": self.ok, "kind": self.kind, "ratio": self.ratio, "flips": self.flips,
                 "flip_gaps": self.flip_gaps[:20], "message": self.message[:2000], "path": self.path,
-                "served": None if self.served is None else str(self.served)}
+                "served": None if self.served is None else str(self.served), "bound": self.bound}
 
 
 @dataclass
@@ -233,8 +234,8 @@ def _shape_check(out, ref, names=("output",)) -> Optional[CaseResult]:
 
 def _arith_result(res: tol.ArithResult, what: str) -> CaseResult:
     if res.ok:
-        return CaseResult(True, "ok", ratio=res.ratio)
-    return CaseResult(False, "mismatch", ratio=res.ratio,
+        return CaseResult(True, "ok", ratio=res.ratio, bound=res.bound)
+    return CaseResult(False, "mismatch", ratio=res.ratio, bound=res.bound,
                       message=f"{what}: error/tolerance {res.ratio:.3g} > 1; {res.detail}")
 
 

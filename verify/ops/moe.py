@@ -162,13 +162,13 @@ def _compare_moe(out, ref, case, ctx):
         lo_all = to_cpu(lo_all)
     except Exception as e:
         if res.ok:
-            return CaseResult(True, "ok", ratio=res.ratio)
+            return CaseResult(True, "ok", ratio=res.ratio, bound=res.bound)
         return _arith_result(res, f"output (and the optimized routing raised {type(e).__name__}: {e})")
     moved_mask = (ids_a != ids_r).any(dim=1) if ids_r.numel() else torch.zeros(0, dtype=torch.bool)
     w_diff = (w_a.double() - w_r.double()).abs() > 16 * tol.ulp(w_r.double().nan_to_num(0.0), torch.float32)
     judge = moved_mask | (res.ratios > 1.0).any(dim=1) | w_diff.any(dim=1)
     if not bool(judge.any()):
-        return CaseResult(True, "ok", ratio=res.ratio)
+        return CaseResult(True, "ok", ratio=res.ratio, bound=res.bound)
     tt = torch.nonzero(judge).reshape(-1)
     xs, lo, w_a, ids_a = x[tt], lo_all[tt], w_a[tt], ids_a[tt]
     stage = _compare_router_gemm(lo, logits[tt], Case("router_gemm", {}, (xs, W), {}), ctx)
@@ -186,8 +186,9 @@ def _compare_moe(out, ref, case, ctx):
     if not res2.ok:
         return _arith_result(res2, f"output of tokens {tt[:5].tolist()} (judged against the reference MLP with "
                                    f"the optimized routing)")
-    rest = res.ratios[~judge]
+    rest, rest_bounds = res.ratios[~judge], res.bounds[~judge]
     ratio = max(float(rest.max()) if rest.numel() else 0.0, res2.ratio)
+    bound = res2.bound if ratio == res2.ratio else tol.BOUNDS[int(rest_bounds.reshape(-1)[int(rest.argmax())])]
     # A moved token is a near-tie flip of route when the reference routing of the optimized
     # logits still picks the reference's experts (the gap is measured on those logits' keys);
     # otherwise the logits themselves (within router_gemm's rule) changed the selection: a
@@ -206,7 +207,8 @@ def _compare_moe(out, ref, case, ctx):
         d = ids_a[i] != ids_r[t]
         g = tol.ulp_distance_f32(keys[ids_r[t][d].long()], keys[ids_a[i][d].long()])
         gaps.append(float(g.max()) if g.numel() else 0.0)
-    return CaseResult(True, "ok", ratio=ratio, flips=len(moved), flip_gaps=gaps, reroutes=len(rerouted),
+    return CaseResult(True, "ok", ratio=ratio, bound=bound if ratio > 0 else "", flips=len(moved), flip_gaps=gaps,
+                      reroutes=len(rerouted),
                       message=f"tokens {tt[:10].tolist()} judged stage by stage; near-tie flips {moved[:10]}, "
                               f"rerouted by their logits {rerouted[:10]}")
 

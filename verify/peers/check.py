@@ -193,7 +193,7 @@ def declared_compare(entry: OpInfo, impl: Impl, m: Measured):
             f = max([d.tol_factor for d in devs] + [1.0])
             if r.ratio is not None and not math.isnan(r.ratio):
                 if not r.ok and r.kind == "mismatch" and r.ratio <= f and not r.message.startswith("ids"):
-                    r = CaseResult(True, "ok", ratio=r.ratio / f, flips=r.flips, flip_gaps=r.flip_gaps,
+                    r = CaseResult(True, "ok", ratio=r.ratio / f, bound=r.bound, flips=r.flips, flip_gaps=r.flip_gaps,
                                    message=f"within the declared tolerance (x{f:g})")
                 elif r.ok:
                     r.ratio = r.ratio / f
