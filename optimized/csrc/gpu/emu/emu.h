@@ -8,7 +8,7 @@
 // flavour: the HIP branch runs, 64-lane wavefronts); -DMOELAB_EMU_MMA=1 (32 only) also turns on
 // the sm_80+ branch (MOELAB_HAS_MMA_BF16): mma.sync m16n8k16 and cvt.rn.bf16.f32, emulated
 // with the PTX ISA's fragment layouts. Every thread of a block is a fiber (ucontext); a fiber
-// runs until it reaches a warp collective (shuffle, ballot, warp sync, mma) or __syncthreads,
+// runs until it reaches a warp collective (shuffle, ballot, warp sync, mma, ldmatrix) or __syncthreads,
 // and the collective completes when every live lane of its warp (every live thread of its
 // block) has arrived, at the same call site. Blocks run one after another in a shuffled order.
 // The order in which fibers run between barriers is shuffled too (seeded: MOELAB_EMU_SEED).
