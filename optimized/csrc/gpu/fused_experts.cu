@@ -197,6 +197,12 @@ MOELAB_DEV bool fp8_fast(uint32_t lo, uint32_t hi, float scale) {
   return fabsf(scale) < 0x1p8f && no_nan(lo) && no_nan(hi);
 }
 
+MOELAB_DEV vec16 v16(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  vec16 v;
+  v.x = a; v.y = b; v.z = c; v.w = d;
+  return v;
+}
+
 // 16 bytes of a weight row: chunk c (bytes 16c ..). VEC: one aligned vector load; else byte
 // loads with zeros past the row's end.
 template <bool VEC>
@@ -210,9 +216,7 @@ MOELAB_DEV vec16 load_chunk(const uint8_t* row, int64_t c, int64_t rb) {
       const int64_t b = c * 16 + i;
       if (b < rb) w[i >> 2] |= uint32_t(row[b]) << (8 * (i & 3));
     }
-    vec16 v;
-    v.x = w[0]; v.y = w[1]; v.z = w[2]; v.w = w[3];
-    return v;
+    return v16(w[0], w[1], w[2], w[3]);
   }
 }
 
@@ -467,12 +471,6 @@ template <int Q> constexpr int kTiledSmemBytes =
 static_assert(kTiledSmemBytes<kFeBF16> + kFeTileM * 8 + 64 <= 48 * 1024, "the tiled kernel's static shared memory");
 static_assert(kTileThreads == 4 * kFeTileM && kTileThreads == 2 * kFeTileN, "the tiled kernel's thread maps");
 
-MOELAB_DEV vec16 v16(uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
-  vec16 v;
-  v.x = a; v.y = b; v.z = c; v.w = d;
-  return v;
-}
-
 // Issue the copies of k step ks into a stage: the activation tile (thread t: row t / 4, 8
 // elements at 8 (t % 4)) and the weight tile as stored (zeros past m, N and K). VEC: 16-byte
 // cp.async (rows 16-byte aligned, K a multiple of the chunk, so a chunk is all in or all out
@@ -548,8 +546,8 @@ template <int Q>
 MOELAB_DEV float tiled_scale(const FeGemm& g, int64_t e, int64_t n0, int64_t ks) {
   const int t = int(threadIdx.x);
   const int64_t n = n0 + t % kFeTileN, kc = ks * kTileK + 16 * (t / kFeTileN);
-  if (Q == kFeBF16 || n >= g.N || kc >= g.K) return 0.0f;
-  return chunk_scale<Q>(scale_row<Q>(g, e, n), kc);
+  if constexpr (Q == kFeBF16) return 0.0f;
+  else return n < g.N && kc < g.K ? chunk_scale<Q>(scale_row<Q>(g, e, n), kc) : 0.0f;
 }
 
 template <int Q, bool VEC>
