@@ -138,14 +138,15 @@ def test_mma_fragment_layout_and_its_plants(emu_mma, emu):
     assert emu.control_mma(a.view(torch.int16), w.view(torch.int16), 0) is None
 
 
+LDMATRIX_ROWS = torch.arange(1, 257, dtype=torch.int32).to(torch.int16).view(32, 8)
+
+
 def test_ldmatrix_fragment_layout_and_its_plants(emu_mma, emu):
     """ldmatrix.x4 as the PTX ISA defines it: lane l hands in row l % 8 of matrix l / 8, lane t
     receives in register i the elements (row t / 4, columns 2 (t % 4), +1) of matrix i, the
-    lower column in the low half. Its row reads obey the shared-memory rules: without the
-    barrier after another warp's stores (plant 1) the read is a race or an uninitialised read,
-    a row address off 16 bytes (plant 2) and a global address (plant 3) fail. The SIMT builds
-    have no ldmatrix (None)."""
-    rows = torch.arange(1, 257, dtype=torch.int32).to(torch.int16).view(32, 8)
+    lower column in the low half. A row address off 16 bytes (plant 2) fails in every build. The
+    SIMT builds have no ldmatrix (None)."""
+    rows = LDMATRIX_ROWS
     got = emu_mma.control_ldmatrix(rows, 0)
     v = rows.to(torch.int64) & 0xFFFF
     want = torch.empty(32, 4, dtype=torch.int64)
@@ -154,13 +155,20 @@ def test_ldmatrix_fragment_layout_and_its_plants(emu_mma, emu):
             r, c = 8 * i + t // 4, 2 * (t % 4)
             want[t, i] = v[r, c] | (v[r, c + 1] << 16)
     assert torch.equal(got.to(torch.int64) & 0xFFFFFFFF, want)
-    with pytest.raises(RuntimeError, match=r"shared-memory race \(read after write\)|read of uninitialised static shared memory"):
-        emu_mma.control_ldmatrix(rows, 1)
     with pytest.raises(RuntimeError, match="misaligned"):
         emu_mma.control_ldmatrix(rows, 2)
-    with pytest.raises(RuntimeError, match="ldmatrix from .* not shared memory"):
-        emu_mma.control_ldmatrix(rows, 3)
     assert emu.control_ldmatrix(rows, 0) is None
+
+
+@RULES
+def test_ldmatrix_reads_obey_the_shared_memory_rules(emu_mma):
+    """ldmatrix's row reads are shared-memory reads: without the barrier after another warp's
+    stores (plant 1) the read is a race or an uninitialised read, and a global address (plant 3)
+    fails. Both verdicts need the shared ranges that only the rule-checking build records."""
+    with pytest.raises(RuntimeError, match=r"shared-memory race \(read after write\)|read of uninitialised static shared memory"):
+        emu_mma.control_ldmatrix(LDMATRIX_ROWS, 1)
+    with pytest.raises(RuntimeError, match="ldmatrix from .* not shared memory"):
+        emu_mma.control_ldmatrix(LDMATRIX_ROWS, 3)
 
 
 def test_hardware_bf16_rounding(emu_mma, emu):
