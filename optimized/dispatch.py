@@ -326,34 +326,38 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 #              was measured at. Without a tune entry for the level: the level's row of
 #              FUSED_EXPERTS_DEFAULT_M_CROSS; a level with no row (nothing measured there)
 #              takes per_block's m > 4.
-#   The avx512_bf16 row: what `optimized.tune --clock cpu` measured on the development
-#              machine (AMD EPYC Zen 5, cold weights; tiny/blocked ms at m = 1, 4, 5, 8, 16):
-#                fp8   0.25/0.26 0.29/0.28 0.42/0.30 0.47/0.36 0.89/0.50  -> 4-5 (tiny decodes
+#   Each row is what `optimized.tune` chose at that level with cold weights (tiny/blocked ms
+#   at m = 1, 4, 5, 8, 16 below; the crossover rule is calibrate.crossover's). The kernels'
+#   balance differs between cores, not only levels: `python -m optimized.tune` on the machine
+#   that runs the model beats any row here.
+#   avx512_bf16: AMD EPYC Zen 5, `--clock cpu`, under the first rule (blocked wins at every
+#              larger m), not re-measured on a Zen 5 since:
+#                fp8   0.25/0.26 0.29/0.28 0.42/0.30 0.47/0.36 0.89/0.50  -> 5 (tiny decodes
 #                      the tile again for every 4 rows; equal below: memory-bound)
 #                mxfp4 0.58/1.22 0.71/1.08 1.06/1.12 1.33/1.47 2.49/2.21  -> 10 (9 instructions
 #                      per 64 weights: re-decoding is cheaper than the buffer round trip)
 #                bf16  0.51/0.43 0.52/0.45 0.54/0.48 0.57/0.52 0.76/0.71  -> 1 (blocked reads
 #                      the packed weights directly; its 6-row kernel wins at every m)
-#   The avx2 and avx512 rows: an Intel Xeon with AVX-512 BF16 capped to the level, a proxy for
-#              a CPU without AVX-512 (or without BF16): the same instructions on another core.
-#              `MOELAB_ISA=avx2 python -m optimized.tune --clock cpu` (and MOELAB_ISA=avx512),
-#              3 runs each, all three giving the same crossovers; avx2, tiny/blocked ms at
-#              m = 1, 4, 5, 8, 16:
-#                fp8   0.80/0.77 1.75/1.81 2.57/1.91 3.15/2.56  6.35/4.40  -> 5
-#                mxfp4 2.29/3.53 4.37/6.29 6.59/6.68 8.50/10.21 16.63/15.94 -> 10 (the two within
-#                      4% of each other from m = 5 to 16)
-#                bf16  1.24/1.28 1.50/1.80 1.52/1.98 2.20/2.05  3.99/3.64  -> 7 (blocked does
-#                      not win at every m here as it does at avx512_bf16)
-#              Wall-clock runs at avx2 (`--threads 1` and `--threads 2`, 6 each) on the shared
-#              2-core machine disagree widely at 2 threads (fp8 4..24, mxfp4 10..48, bf16 6..49:
-#              one expert block is a short parallel region that other processes' scheduling
-#              dominates) and give medians 5 / 16 / 7.5 at 1 thread, where mxfp4 sits in the
-#              4% band above; so each level has one row, from the CPU-time runs.
+#              An AMD EPYC Zen 4 at this level (`--threads 1`, 3 runs) gives bf16 1 and mxfp4 4,
+#              but fp8 16-24: there tiny's register decode runs at half blocked's time up to
+#              m = 4 (0.20/0.43 at m = 1).
+#   avx512 and avx2: the Zen 4 capped to the level (MOELAB_ISA), a proxy for a CPU without
+#              AVX-512 BF16 or without AVX-512: the same instructions on another core;
+#              `--threads 1`, 3 runs each (bf16 blocked ahead at every m <= 6 on 2 threads too):
+#     avx512     fp8   0.34/0.34 0.56/0.57 0.85/0.65 -> 5 (2 of 3 runs; the third 2)
+#                mxfp4 1.02/1.41 3.25/2.49 3.91/2.98 -> 4
+#                bf16  0.75/0.46 0.80/0.55 0.71/0.63 -> 1
+#     avx2       fp8   0.44/0.41 0.75/0.79 1.16/0.86 1.43/1.24 2.85/2.19   -> 1 (tiny ahead only at
+#                      m = 4, its one full 4-row chunk, by 5-7%; blocked 8-14% ahead at m = 1-3)
+#                mxfp4 1.81/1.74 3.53/3.72 5.17/4.26 6.74/6.24 13.38/11.36 -> 1 (one run 2)
+#                bf16  0.76/0.48 0.84/0.71 0.89/0.84 1.40/1.33 2.62/2.56   -> 1 (tiny prefetches
+#                      the next tile beside its own stream; blocked streams one: decode at ~90%
+#                      of the read probe blocked, ~55% tiny)
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {
     "avx512_bf16": {"bf16": 1, "fp8_block": 5, "mxfp4": 10},
-    "avx512": {"bf16": 7, "fp8_block": 5, "mxfp4": 5},
-    "avx2": {"bf16": 7, "fp8_block": 5, "mxfp4": 10},
+    "avx512": {"bf16": 1, "fp8_block": 5, "mxfp4": 4},
+    "avx2": {"bf16": 1, "fp8_block": 1, "mxfp4": 1},
 }
 _FE_POLICY_CODES = {"tiny": 0, "blocked": 1, "per_block": 2}   # FePolicy in csrc/cpu/fused_experts.h
 _PER_BLOCK_M_CROSS = FUSED_EXPERTS_GLOBAL_MAX_TINY_M + 1

@@ -1110,9 +1110,10 @@ def test_compiled_call_reads_the_tune_file_while_tracing(tune_dir):
 
 
 def test_tune_crossover_judges_by_the_paired_ratio():
-    """The crossover is the smallest m from which blocked wins at every larger m, judged by the
+    """The crossover is the threshold that loses least summed over the measured m, judged by the
     median paired ratio tiny / blocked where measure gives one, not by the two minima (which
-    can come from different rounds); without a ratio, by the times; never crossed: max m + 1."""
+    can come from different rounds); without a ratio, by the times; never crossed: max m + 1.
+    A point near a ratio of 1 costs what it costs: it does not hold tiny for every smaller m."""
     from optimized.tune import calibrate as tune
     # m=4: blocked's minimum is lower, but in the paired rounds tiny wins (ratio < 1)
     meas = {1: (1.0, 2.0, 0.5), 2: (1.0, 1.1, 0.9), 4: (1.0, 0.9, 0.95), 8: (2.0, 1.0, 1.8), 16: (4.0, 1.0, 3.5)}
@@ -1120,6 +1121,10 @@ def test_tune_crossover_judges_by_the_paired_ratio():
     assert tune.crossover({m: v[:2] for m, v in meas.items()}) == 4
     assert tune.crossover({1: (1.0, 2.0, 0.5), 4: (1.0, 1.5, 0.7)}) == 5
     assert tune.crossover({1: (2.0, 1.0, 1.2), 4: (1.0, 1.5, 0.7), 8: (3.0, 1.0, 2.0)}) == 8
+    assert tune.crossover({1: (2.0, 1.0, 2.0), 4: (1.0, 1.5, 0.7), 8: (3.0, 1.0, 1.1)}) == 1
+    near_one = {1: (1.5, 1.0, 1.56), 2: (1.6, 1.0, 1.6), 3: (1.0, 1.0, 0.99), 8: (1.1, 1.0, 1.05), 24: (1.0, 1.0, 0.99)}
+    assert tune.crossover(near_one) == 1     # "blocked wins at every larger m" would say 25
+    assert tune.crossover({1: (1.0, 1.0, 1.0), 2: (1.0, 1.0, 1.0)}) == 1
 
 
 def test_backend_info_and_compile():
