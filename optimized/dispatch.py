@@ -326,33 +326,12 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 #              was measured at. Without a tune entry for the level: the level's row of
 #              FUSED_EXPERTS_DEFAULT_M_CROSS; a level with no row (nothing measured there)
 #              takes per_block's m > 4.
-#   Each row is what `optimized.tune` chose at that level with cold weights (tiny/blocked ms
-#   at m = 1, 4, 5, 8, 16 below; the crossover rule is calibrate.crossover's). The kernels'
-#   balance differs between cores, not only levels: `python -m optimized.tune` on the machine
-#   that runs the model beats any row here.
-#   avx512_bf16: AMD EPYC Zen 5, `--clock cpu`, under the first rule (blocked wins at every
-#              larger m), not re-measured on a Zen 5 since:
-#                fp8   0.25/0.26 0.29/0.28 0.42/0.30 0.47/0.36 0.89/0.50  -> 5 (tiny decodes
-#                      the tile again for every 4 rows; equal below: memory-bound)
-#                mxfp4 0.58/1.22 0.71/1.08 1.06/1.12 1.33/1.47 2.49/2.21  -> 10 (9 instructions
-#                      per 64 weights: re-decoding is cheaper than the buffer round trip)
-#                bf16  0.51/0.43 0.52/0.45 0.54/0.48 0.57/0.52 0.76/0.71  -> 1 (blocked reads
-#                      the packed weights directly; its 6-row kernel wins at every m)
-#              An AMD EPYC Zen 4 at this level (`--threads 1`, 3 runs) gives bf16 1 and mxfp4 4,
-#              but fp8 16-24: there tiny's register decode runs at half blocked's time up to
-#              m = 4 (0.20/0.43 at m = 1).
-#   avx512 and avx2: the Zen 4 capped to the level (MOELAB_ISA), a proxy for a CPU without
-#              AVX-512 BF16 or without AVX-512: the same instructions on another core;
-#              `--threads 1`, 3 runs each (bf16 blocked ahead at every m <= 6 on 2 threads too):
-#     avx512     fp8   0.34/0.34 0.56/0.57 0.85/0.65 -> 5 (2 of 3 runs; the third 2)
-#                mxfp4 1.02/1.41 3.25/2.49 3.91/2.98 -> 4
-#                bf16  0.75/0.46 0.80/0.55 0.71/0.63 -> 1
-#     avx2       fp8   0.44/0.41 0.75/0.79 1.16/0.86 1.43/1.24 2.85/2.19   -> 1 (tiny ahead only at
-#                      m = 4, its one full 4-row chunk, by 5-7%; blocked 8-14% ahead at m = 1-3)
-#                mxfp4 1.81/1.74 3.53/3.72 5.17/4.26 6.74/6.24 13.38/11.36 -> 1 (one run 2)
-#                bf16  0.76/0.48 0.84/0.71 0.89/0.84 1.40/1.33 2.62/2.56   -> 1 (tiny prefetches
-#                      the next tile beside its own stream; blocked streams one: decode at ~90%
-#                      of the read probe blocked, ~55% tiny)
+#   Each row is what the tuner's measurement and rule chose at that level with cold weights
+#              (`python -m experiments.micro tune_crossover`, under MOELAB_ISA=<level> for a
+#              level below the CPU's); docs/fused_experts.md ("Dispatch") names each row's
+#              machine, runs and results file. The kernels' balance differs between cores, not
+#              only between levels, so `python -m optimized.tune` on the machine that runs the
+#              model beats any row here.
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {
     "avx512_bf16": {"bf16": 1, "fp8_block": 5, "mxfp4": 10},
