@@ -334,7 +334,7 @@ def gpu_decision(op: str, *args, **kwargs) -> Decision:
 #              model beats any row here.
 FUSED_EXPERTS_GLOBAL_MAX_TINY_M = 4
 FUSED_EXPERTS_DEFAULT_M_CROSS = {
-    "avx512_bf16": {"bf16": 1, "fp8_block": 5, "mxfp4": 10},
+    "avx512_bf16": {"bf16": 1, "fp8_block": 16, "mxfp4": 4},
     "avx512": {"bf16": 1, "fp8_block": 5, "mxfp4": 4},
     "avx2": {"bf16": 1, "fp8_block": 1, "mxfp4": 1},
 }

@@ -119,8 +119,8 @@ def crossover(meas: dict) -> int:
     least against the faster kernel summed over the measured m: loss(c) = sum over m < c of
     log(tiny / blocked) where blocked was faster, plus sum over m >= c of log(blocked / tiny)
     where tiny was faster; the smallest c among equals. A point near a ratio of 1 then moves the
-    threshold only as much as it costs: a first rule, "blocked wins at every larger m", let one
-    such point at m = 24 hold tiny for every smaller m where blocked was 1.5x faster. Judged by
+    threshold only as much as it costs, where "blocked wins at every larger m" would let one
+    such point at a large m hold tiny for every smaller m, however far blocked is ahead. Judged by
     the median paired ratio where `measure` gives one (a third value), else by the two times."""
     ms = sorted(meas)
     logr = {m: math.log(v[2] if len(v) > 2 else v[0] / v[1]) for m, v in meas.items()}
