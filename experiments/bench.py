@@ -32,8 +32,13 @@ skinny_gemm and permute); tests/test_bench_floors.py holds every committed row t
 --peers adds the kernels CPU users actually run (vLLM's CPU backend, zentorch; `make peers`,
 experiments/peers.py) as columns of the points that have one, timed in the same interleaved
 rounds: the peer's time, ours/peer (median of per-round ratios, min..max) and the peer's GB/s
-and fraction of the row's floor. A point a peer cannot take says why. --threads 1,2 runs
-the table once per thread count.
+and fraction of the row's floor. A point a peer cannot take says why (an op the peer's build
+for this ISA lacks included). --threads 1,2 runs the table once per thread count.
+
+Under MOELAB_ISA=avx2 or avx512 (a proxy for a CPU of that level) the run restarts with torch's
+ATen, MKL and oneDNN capped at the same level (timing.cap_libraries), and vLLM loads its library
+of that level (_C_AVX2, _C_AVX512): both sides of every ratio run that level's instructions.
+zentorch cannot be capped, so a capped run has no zentorch column.
 
 --repeat N runs the whole table N times (each with its own bandwidth measurement) and adds a
 summary: per point, the median of the N runs' speedups, their min..max, and in how many runs
@@ -434,4 +439,5 @@ class _Tee:
 
 
 if __name__ == "__main__":
+    timing.cap_libraries()   # under MOELAB_ISA=avx2 / avx512 torch's baselines run that level too
     sys.exit(main())

@@ -39,19 +39,34 @@ Peer = Union[Callable[[], object], str]   # a callable, or why the peer cannot r
 
 @functools.lru_cache(maxsize=None)
 def vllm():
-    """(torch.ops._C, cpu_router module, version) or a str reason."""
+    """(torch.ops._C, cpu_router module, version and library) or a str reason. vLLM loads the
+    library of our kernels' level (verify.peers.vllm_cpu.import_vllm: _C_AVX2 under
+    MOELAB_ISA=avx2), so a capped run times both at one level."""
     try:
-        import vllm as v
-        import vllm._custom_ops  # noqa: F401  (loads vllm._C, registering torch.ops._C.*)
+        from verify.peers.vllm_cpu import import_vllm
+        v, _, lib = import_vllm()
         from vllm.model_executor.layers.fused_moe.router import cpu_router
     except Exception as e:   # noqa: BLE001 (any import failure means: not installed usably)
         return f"vllm-cpu not installed (make peers): {type(e).__name__}"
-    return torch.ops._C, cpu_router, v.__version__
+    return torch.ops._C, cpu_router, f"{v.__version__} ({lib})"
+
+
+def vllm_ops(names) -> tuple | str:
+    """vllm() where its library registers every op in `names` (torch.ops._C.*), else why not."""
+    v = vllm()
+    if isinstance(v, str):
+        return v
+    from verify.peers import not_in_build
+    return not_in_build(v[0], names) or v
 
 
 @functools.lru_cache(maxsize=None)
 def zentorch():
-    """(torch.ops.zentorch, version) or a str reason."""
+    """(torch.ops.zentorch, version) or a str reason. ZenDNN chooses its code from the CPU alone,
+    so under a MOELAB_ISA cap it would run a level our kernels do not: no column then."""
+    from .timing import isa_tag
+    if isa_tag().endswith("-capped"):
+        return "zentorch cannot be capped to our kernels' level (ZenDNN picks the CPU's)"
     try:
         import zentorch as z
     except Exception as e:   # noqa: BLE001
@@ -72,7 +87,7 @@ BIASED_TOPK_SHAPES = {64: (6, 8), 128: (6, 8), 256: (6, 8, 9), 384: (6, 8)}
 
 
 def route_sigmoid_bias(x: torch.Tensor, bias: torch.Tensor, K: int, scaling: float) -> dict[str, Peer]:
-    v = vllm()
+    v = vllm_ops(("biased_topk_cpu",))
     if isinstance(v, str):
         return {"vllm biased_topk_cpu": v}
     C = v[0]
@@ -129,7 +144,7 @@ def router_gemm(x: torch.Tensor, ws: Rotating) -> dict[str, Peer]:
 
 def _router_weights(ws: Rotating) -> dict:
     out: dict = {}
-    v = vllm()
+    v = vllm_ops(("create_onednn_mm_handler", "onednn_mm"))
     if isinstance(v, str):
         out["vllm oneDNN"] = v
     else:
@@ -191,7 +206,9 @@ class FusedExpertsPeers:
         s = self.s
         q, act = s["quant"], {"silu": "silu", "swiglu_oai": "swigluoai"}[s["activation"]]
         out: dict[str, Peer] = {}
-        v, z = vllm(), zentorch()
+        z = zentorch()
+        v = (vllm_ops(("cpu_fused_moe", "prepack_moe_weight")) if q == "bf16" else
+             vllm_ops(("fused_experts_cpu", "convert_weight_packed", "convert_scale_packed")))
         tw32, ids32 = tw.float().contiguous(), ids.to(torch.int32).contiguous()
         b13, b2 = self.b13, self.b2
         if q == "bf16":   # both peers take the biases in the activations' dtype

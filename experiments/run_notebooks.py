@@ -363,4 +363,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from . import timing
+    timing.cap_libraries()   # under MOELAB_ISA=avx2 / avx512 torch's baselines run that level too
     sys.exit(main())

@@ -297,12 +297,42 @@ def cpu_name(cpuinfo: str | None = None) -> str:
     return f"{name} ({core})"
 
 
+# MOELAB_ISA caps our kernels' level; a capped run stands in for a CPU of that level only if the
+# baselines and peers run that level too. ATen's vectorized kernels, MKL's sgemm and oneDNN
+# (torch's bf16 matmul, vLLM's onednn_mm) each choose their code once, when they load, from these
+# variables, so a capped run sets them before anything loads (cap_libraries).
+LIBRARY_CAPS = {
+    "avx2": {"ATEN_CPU_CAPABILITY": "avx2", "MKL_ENABLE_INSTRUCTIONS": "AVX2", "ONEDNN_MAX_CPU_ISA": "AVX2"},
+    "avx512": {"ATEN_CPU_CAPABILITY": "avx512", "MKL_ENABLE_INSTRUCTIONS": "AVX512",
+               "ONEDNN_MAX_CPU_ISA": "AVX512_CORE"},
+}
+
+
+def cap_libraries() -> None:
+    """Under MOELAB_ISA=avx2 or avx512, restart this process (same command line) with the
+    LIBRARY_CAPS variables that are not set yet, so torch, MKL and oneDNN run that level like
+    our kernels. Variables already set are kept; on a CPU of that level the caps change nothing.
+    Call it first in a benchmark's main(): torch has read ATEN_CPU_CAPABILITY at import."""
+    want = LIBRARY_CAPS.get(os.environ.get("MOELAB_ISA", "").strip().lower(), {})
+    missing = {k: v for k, v in want.items() if k not in os.environ}
+    if missing:
+        sys.stdout.flush()
+        os.execve(sys.executable, sys.orig_argv, {**os.environ, **missing})
+
+
+def library_caps() -> str:
+    """The LIBRARY_CAPS variables in effect, for the stamps: 'ATEN_CPU_CAPABILITY=avx2 ...' or ''."""
+    names = sorted({k for caps in LIBRARY_CAPS.values() for k in caps})
+    return " ".join(f"{k}={os.environ[k]}" for k in names if k in os.environ)
+
+
 def machine() -> dict[str, str]:
     """Where a result was measured: CPU model, ISA used, threads, torch version, the 1-minute
     load average now (above `cores` the machine was shared while measuring), and the GPU,
     its CUDA/HIP version and driver when torch sees one."""
-    info = {"cpu": cpu_name(), "threads": str(torch.get_num_threads()), "torch": torch.__version__,
-            "cores": str(os.cpu_count())}
+    caps = library_caps()
+    info = {"cpu": cpu_name(), "threads": str(torch.get_num_threads()),
+            "torch": torch.__version__ + (f" ({caps})" if caps else ""), "cores": str(os.cpu_count())}
     try:
         import optimized
         info["isa"] = optimized.backend_info().get("active", "?")

