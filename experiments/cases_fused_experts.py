@@ -255,9 +255,10 @@ def prefill_dense(name: str, rows: int, dtype: torch.dtype = torch.bfloat16):
 
 
 def native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 natively (the avx512_bf16 level); elsewhere torch's bf16
-    GEMM is a slow fallback, and a user would run the dense baseline in f32."""
-    return optimized.backend_info()["detected"] == "avx512_bf16"
+    """Whether this run multiplies bf16 natively (the avx512_bf16 level); elsewhere torch's bf16
+    GEMM is a slow fallback, and a user would run the dense baseline in f32. The active level, not
+    the CPU's: a capped run caps torch's oneDNN too (timing.cap_libraries)."""
+    return optimized.backend_info()["active"] == "avx512_bf16"
 
 
 def prefill_baseline_dtype(name: str, rows: int) -> torch.dtype:
