@@ -24,7 +24,8 @@ A dram row also gets `probe_frac` ("of probe" in the table): its GB/s over the p
 the same round, the median over the rounds. The floor above is the fastest probe pass of the
 whole run, so a row timed in the slow phase reads a small fraction of a floor set in the fast
 one; probe_frac compares each round with its own phase, and is what a "fraction of the read
-bandwidth" target (`bw_target`, issue 13: fp8 decode >= 80% at 2 threads) is judged on. It can
+bandwidth" target (`bw_target`, the level's: fp8 decode >= 80% at 2 threads at AVX-512, fp8 and
+mxfp4 >= 70% at avx2) is judged on. It can
 pass 100% by a little where some of a row's bytes are still in the cache from an earlier call.
 A DRAM floor on cache-resident inputs is no floor (earlier runs printed 106-316% of it for
 skinny_gemm and permute); tests/test_bench_floors.py holds every committed row to <= 100% of its own.

@@ -217,13 +217,27 @@ class _Lazy:
 # --------------------------------------------------------------------------- cases
 DECODE = (("qwen3-30b-a3b", (1, 4, 16), 1.3), ("gpt-oss-20b", (1, 4), None), ("olmoe-1b-7b", (1, 4, 16), None))
 PREFILL_T = 512
-# issue 13's targets, ours / the peer (experiments/peers.py): fp8 decode >= 1.0x vLLM's
-# fused_experts_cpu, mxfp4 decode and prefill >= 1.1x it, bf16 decode and prefill >= 1.0x both
-# vLLM's cpu_fused_moe and zentorch's fused MoE.
+# The targets follow the level the kernels run at. AVX-512 (issue 13), ours / the peer
+# (experiments/peers.py): fp8 decode >= 1.0x vLLM's fused_experts_cpu, mxfp4 decode and prefill
+# >= 1.1x it, bf16 decode and prefill >= 1.0x both vLLM's cpu_fused_moe and zentorch's fused MoE;
+# fp8 decode >= 80% of the read bandwidth at 2 threads. avx2 (issue 32): bf16 decode >= 1.0x and
+# bf16 prefill >= 1.5x vLLM's cpu_fused_moe (its AVX2 build; the fp8 / mxfp4 op is not in it);
+# fp8 and mxfp4 decode >= 70% of the read bandwidth at 1 and 2 threads. A bandwidth target is
+# judged on bench's probe_frac: each round against the read probe timed in that same round.
 PEER_TARGET = {"fp8_block": 1.0, "mxfp4": 1.1, "bf16": 1.0}
-# issue 13: fp8 decode >= 80% of the read bandwidth at 2 threads (judged on bench's probe_frac:
-# each round against the read probe timed in that same round)
+PEER_PREFILL_TARGET_AVX2 = 1.5
 BW_TARGET = {"fp8_block": 0.8}
+BW_TARGET_AVX2 = {"fp8_block": 0.7, "mxfp4": 0.7}
+
+
+def avx2_level() -> bool:
+    return optimized.backend_info()["active"] == "avx2"
+
+
+def bw_target(quant: str) -> float | None:
+    if avx2_level():
+        return BW_TARGET_AVX2.get(quant)
+    return BW_TARGET.get(quant) if torch.get_num_threads() >= 2 else None
 PEER_PREFILL_T = {"olmoe-1b-7b": (128, 512), "qwen3-30b-a3b": (512,), "gpt-oss-20b": (512,)}
 
 
@@ -283,7 +297,7 @@ def cases(quick: bool):
                         nbytes=nbytes, target=target,
                         peers=_Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.peer_set().peers(x, tw, ids)),
                         peer_target=PEER_TARGET[s["quant"]], cold=True,
-                        bw_target=BW_TARGET.get(s["quant"]) if torch.get_num_threads() >= 2 else None))
+                        bw_target=bw_target(s["quant"])))
         out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T} standard layout (cached)",
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.cached(x, tw, ids)),
@@ -318,7 +332,7 @@ def cases(quick: bool):
                             _Lazy("olmoe-1b-7b", lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
                             nbytes=s["E"] * _expert_bytes("olmoe-1b-7b"),
                             peers=_Lazy("olmoe-1b-7b", lambda d, x=x, tw=tw, ids=ids: d.peer_set().peers(x, tw, ids)),
-                            peer_target=1.0, cold=True))
+                            peer_target=PEER_PREFILL_TARGET_AVX2 if avx2_level() else 1.0, cold=True))
     return out
 
 

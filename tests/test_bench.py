@@ -380,6 +380,31 @@ def test_prefill_baseline_is_the_faster_dense_dtype_without_native_bf16(monkeypa
     assert cfe.prefill_baseline_dtype("qwen3-30b-a3b", 8) == torch.bfloat16
 
 
+def test_fused_experts_targets_follow_the_level(monkeypatch):
+    """The bench judges a level by its own issue's targets: at avx2 fp8 and mxfp4 decode against
+    70% of the probe at any thread count and bf16 prefill against 1.5x vLLM; at AVX-512 fp8
+    decode against 80% on two threads only and bf16 prefill against 1.0x."""
+    from experiments import cases_fused_experts as cfe
+    monkeypatch.setattr(cfe, "prefill_baseline_dtype", lambda name, rows: torch.float32)   # no timing
+
+    def targets():
+        cases = {c.shape: c for c in cfe.cases(quick=False)}
+        return (cases["decode qwen3-30b-a3b fp8_block T=1"].bw_target, cases["decode gpt-oss-20b mxfp4 T=1"].bw_target,
+                cases["prefill olmoe-1b-7b bf16 T=512"].peer_target)
+
+    monkeypatch.setattr(cfe, "avx2_level", lambda: True)
+    assert targets() == (0.7, 0.7, 1.5)
+    monkeypatch.setattr(cfe, "avx2_level", lambda: False)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        assert targets() == (0.8, None, 1.0)
+        torch.set_num_threads(1)
+        assert targets() == (None, None, 1.0)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_prefill_dense_runs_the_shapes_gemms_in_the_dtype_asked():
     from experiments import cases_fused_experts as cfe
     h, y = cfe.prefill_dense("qwen3-30b-a3b", 3, torch.float32)()
