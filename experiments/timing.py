@@ -429,6 +429,8 @@ def provenance(command: str) -> str:
     except Exception as exc:  # the extension may be unavailable; say so
         isa = f"unavailable ({type(exc).__name__})"
     now = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    if os.environ.get("MOELAB_ISA"):   # a capped run is rerun capped
+        command = f"MOELAB_ISA={os.environ['MOELAB_ISA']} {command}"
     return (f"# command: {command}\n# commit: {commit()}\n# date: {now}\n"
             f"# machine: {m['cpu']}, {m['cores']} cores, ISA {isa}, torch {m['torch']}\n"
             f"# load average at start: {m['load']}\n")

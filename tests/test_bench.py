@@ -315,6 +315,14 @@ def test_vllm_loads_the_library_of_the_capped_level(tmp_path, monkeypatch):
         assert v.__version__ == "fake" and vops.SEEN == want, level
 
 
+def test_provenance_names_the_cap_in_the_command(monkeypatch):
+    """A capped run's file says how to rerun it capped."""
+    monkeypatch.delenv("MOELAB_ISA", raising=False)
+    assert timing.provenance("python -m x").splitlines()[0] == "# command: python -m x"
+    monkeypatch.setenv("MOELAB_ISA", "avx2")
+    assert timing.provenance("python -m x").splitlines()[0] == "# command: MOELAB_ISA=avx2 python -m x"
+
+
 def test_zentorch_gets_no_column_in_a_capped_run():
     """ZenDNN picks its code from the CPU alone: under a cap the bench says so instead of timing
     an AVX-512 peer against our AVX2 kernels."""
