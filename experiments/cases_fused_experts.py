@@ -22,6 +22,7 @@ a time is kept (the copies take ~1-4 GB).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import itertools
 import math
@@ -95,17 +96,19 @@ class ShapeData:
         self.b2 = torch.randn(E, H, generator=g) * 0.1 if s["bias"] else None
         self.eager = None
         if eager:
-            def make_bf16():
+            dt = eager_weight_dtype(name)
+
+            def make():   # bf16 values, held in dt
                 gg = torch.Generator().manual_seed(next(seeds))
-                W13 = torch.empty(E, 2 * I, H, dtype=torch.bfloat16)
-                W2 = torch.empty(E, H, I, dtype=torch.bfloat16)
+                W13 = torch.empty(E, 2 * I, H, dtype=dt)
+                W2 = torch.empty(E, H, I, dtype=dt)
                 for e in range(E):
                     W13[e] = (torch.randn(2 * I, H, generator=gg) / H ** 0.5).bfloat16()
                     W2[e] = (torch.randn(H, I, generator=gg) / I ** 0.5).bfloat16()
                 return W13, W2
-            self.eager = Rotating(make_bf16, E * 6 * H * I)
-            self.eb13 = None if self.b13 is None else self.b13.bfloat16()
-            self.eb2 = None if self.b2 is None else self.b2.bfloat16()
+            self.eager = Rotating(make, E * 3 * H * I * dt.itemsize)
+            self.eb13 = None if self.b13 is None else self.b13.bfloat16().to(dt)
+            self.eb2 = None if self.b2 is None else self.b2.bfloat16().to(dt)
 
     @staticmethod
     def _packed(q, E, H, I, seed):
@@ -171,14 +174,15 @@ def warm_pack_cache(w, s) -> None:
 
 
 def eager_moe(x, W13, W2, tw, ids, activation, b13=None, b2=None, alpha=1.702, limit=7.0):
-    """The eager PyTorch way with pre-dequantized bf16 weights: a loop over routed experts."""
+    """The eager PyTorch way with pre-dequantized weights (bf16, or f32 where that is faster:
+    eager_weight_dtype): a loop over routed experts."""
     T, H = x.shape
     I = W2.shape[2]
     out = torch.zeros(T, H, dtype=torch.float32)
     flat = ids.flatten()
     for e in torch.unique(flat[flat >= 0]).tolist():
         tok, slot = torch.nonzero(ids == e, as_tuple=True)
-        h = F.linear(x[tok], W13[e], None if b13 is None else b13[e])
+        h = F.linear(x[tok].to(W13.dtype), W13[e], None if b13 is None else b13[e])
         if activation == "silu":
             a = F.silu(h[:, :I]) * h[:, I:]
         else:
@@ -275,6 +279,25 @@ def native_bf16() -> bool:
     return optimized.backend_info()["active"] == "avx512_bf16"
 
 
+@functools.lru_cache(maxsize=None)
+def eager_weight_dtype(name: str) -> torch.dtype:
+    """The decode baseline's weight dtype: bf16 where the CPU has native bf16; elsewhere the
+    faster of bf16 and f32 (torch's bf16 GEMV can be a slow fallback there), timed here on one
+    token through 8 experts' W13 (a few interleaved rounds). Once per shape and process."""
+    if native_bf16():
+        return torch.bfloat16
+    s = SHAPES[name]
+    g = torch.Generator().manual_seed(5)
+    w = (torch.randn(8, 2 * s["I"], s["H"], generator=g) / s["H"] ** 0.5).bfloat16()
+    x = torch.randn(1, s["H"], generator=g).bfloat16()
+
+    def gemvs(dt):
+        wd, xd = w.to(dt), x.to(dt)
+        return lambda: [F.linear(xd, wd[e]) for e in range(wd.shape[0])]
+    t = timing.compare({"bf16": gemvs(torch.bfloat16), "f32": gemvs(torch.float32)}, rounds=3, min_time=0.05)
+    return torch.float32 if t["f32"].median < t["bf16"].median else torch.bfloat16
+
+
 def prefill_baseline_dtype(name: str, rows: int) -> torch.dtype:
     """The dense prefill baseline's dtype: bf16 where the CPU has native bf16; elsewhere the
     faster of bf16 and f32, timed here (a few interleaved rounds)."""
@@ -291,14 +314,16 @@ def cases(quick: bool):
         s = SHAPES[name]
         x = _x(T, s["H"])
         nbytes = int(torch.unique(ids).numel()) * _expert_bytes(name)
-        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T}",
+        # an f32 eager baseline says so in the name (bf16 is the default one)
+        suffix = " (eager f32)" if eager_weight_dtype(name) == torch.float32 else ""
+        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T}{suffix}",
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.ours(x, tw, ids)),
                         nbytes=nbytes, target=target,
                         peers=_Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.peer_set().peers(x, tw, ids)),
                         peer_target=PEER_TARGET[s["quant"]], cold=True,
                         bw_target=bw_target(s["quant"])))
-        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T} standard layout (cached)",
+        out.append(Case("fused_experts", f"decode {name} {s['quant']} T={T} standard layout (cached){suffix}",
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.eager_call(x, tw, ids)),
                         _Lazy(name, lambda d, x=x, tw=tw, ids=ids: d.cached(x, tw, ids)),
                         nbytes=nbytes, target=target, cold=True))

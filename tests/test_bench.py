@@ -394,6 +394,7 @@ def test_fused_experts_targets_follow_the_level(monkeypatch):
     decode against 80% on two threads only and bf16 prefill against 1.0x."""
     from experiments import cases_fused_experts as cfe
     monkeypatch.setattr(cfe, "prefill_baseline_dtype", lambda name, rows: torch.float32)   # no timing
+    monkeypatch.setattr(cfe, "eager_weight_dtype", lambda name: torch.bfloat16)
 
     def targets():
         cases = {c.shape: c for c in cfe.cases(quick=False)}
@@ -411,6 +412,38 @@ def test_fused_experts_targets_follow_the_level(monkeypatch):
         assert targets() == (None, None, 1.0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_decode_eager_is_f32_where_that_is_faster(monkeypatch):
+    """Without native bf16 the decode baseline holds its weights in whichever of bf16 and f32
+    runs the GEMVs faster (timed), says so in the point's name, and computes the same layer."""
+    from types import SimpleNamespace
+    from experiments import cases_fused_experts as cfe
+    monkeypatch.setitem(cfe.SHAPES, "tiny", dict(E=4, K=2, H=64, I=32, quant="bf16", activation="silu", bias=True))
+    delay = {}
+    monkeypatch.setattr(cfe.timing, "compare", lambda cands, **kw: {k: SimpleNamespace(median=delay[k]) for k in cands})
+    cfe.eager_weight_dtype.cache_clear()
+    try:
+        monkeypatch.setattr(cfe, "native_bf16", lambda: False)
+        delay.update(bf16=2.0, f32=1.0)
+        assert cfe.eager_weight_dtype("tiny") == torch.float32
+        d32 = cfe.ShapeData("tiny", eager=True)
+        cfe.eager_weight_dtype.cache_clear()
+        delay.update(bf16=1.0, f32=2.0)
+        assert cfe.eager_weight_dtype("tiny") == torch.bfloat16
+        d16 = cfe.ShapeData("tiny", eager=True)
+        assert d32.eager.items[0][0].dtype == torch.float32 and d16.eager.items[0][0].dtype == torch.bfloat16
+        assert torch.equal(d32.eager.items[0][0].bfloat16(), d16.eager.items[0][0])   # the same bf16 values
+        tw, ids = cfe.routing("uniform", 3, 4, 2)
+        x = torch.randn(3, 64).bfloat16()
+        a, b = d32.eager_call(x, tw, ids).float(), d16.eager_call(x, tw, ids).float()
+        assert float((a - b).norm() / b.norm()) < 2e-2
+        cfe.eager_weight_dtype.cache_clear()
+        monkeypatch.setattr(cfe, "native_bf16", lambda: True)
+        delay.clear()                                       # native bf16: nothing is timed
+        assert cfe.eager_weight_dtype("tiny") == torch.bfloat16
+    finally:
+        cfe.eager_weight_dtype.cache_clear()
 
 
 def test_prefill_dense_runs_the_shapes_gemms_in_the_dtype_asked():
