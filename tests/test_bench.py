@@ -305,14 +305,22 @@ def test_vllm_loads_the_library_of_the_capped_level(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for check in ("_is_avx512_supported", "_is_avx512_bf16_supported"):   # put back after the test
         monkeypatch.setattr(torch.cpu, check, getattr(torch.cpu, check))
-    for level, want in (("avx2", (False, False)), ("avx512", (True, False))):
-        if not levels.available(level):
-            continue
-        for name in ("vllm", "vllm._custom_ops"):
-            monkeypatch.delitem(sys.modules, name, raising=False)
-        with levels.capped(level):
-            v, vops, lib = vllm_cpu.import_vllm()
-        assert v.__version__ == "fake" and vops.SEEN == want, level
+    def vllm_modules():
+        return [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
+    for name in vllm_modules():             # a real vLLM imported earlier comes back at teardown
+        monkeypatch.delitem(sys.modules, name)
+    try:
+        for level, want in (("avx2", (False, False)), ("avx512", (True, False))):
+            if not levels.available(level):
+                continue
+            with levels.capped(level):
+                v, vops, lib = vllm_cpu.import_vllm()
+            assert v.__version__ == "fake" and vops.SEEN == want, level
+            for name in vllm_modules():
+                del sys.modules[name]
+    finally:   # no fake vllm may outlive the test: later tests would take it for the real one
+        for name in vllm_modules():
+            del sys.modules[name]
 
 
 def test_provenance_names_the_cap_in_the_command(monkeypatch):
