@@ -312,7 +312,8 @@ def cap_libraries() -> None:
     """Under MOELAB_ISA=avx2 or avx512, restart this process (same command line) with the
     LIBRARY_CAPS variables that are not set yet, so torch, MKL and oneDNN run that level like
     our kernels. Variables already set are kept; on a CPU of that level the caps change nothing.
-    Call it first in a benchmark's main(): torch has read ATEN_CPU_CAPABILITY at import."""
+    Called by the entry points (`if __name__ == "__main__"`), before any work: torch has read
+    ATEN_CPU_CAPABILITY at import, and a main() called in-process (by a test) must not restart."""
     want = LIBRARY_CAPS.get(os.environ.get("MOELAB_ISA", "").strip().lower(), {})
     missing = {k: v for k, v in want.items() if k not in os.environ}
     if missing:
