@@ -232,6 +232,7 @@ PEER_TARGET = {"fp8_block": 1.0, "mxfp4": 1.1, "bf16": 1.0}
 PEER_PREFILL_TARGET_AVX2 = 1.5
 BW_TARGET = {"fp8_block": 0.8}
 BW_TARGET_AVX2 = {"fp8_block": 0.7, "mxfp4": 0.7}
+PEER_PREFILL_T = {"olmoe-1b-7b": (128, 512), "qwen3-30b-a3b": (512,), "gpt-oss-20b": (512,)}
 
 
 def avx2_level() -> bool:
@@ -239,10 +240,10 @@ def avx2_level() -> bool:
 
 
 def bw_target(quant: str) -> float | None:
+    """The level's read-bandwidth target of a decode point (None: no such target)."""
     if avx2_level():
         return BW_TARGET_AVX2.get(quant)
     return BW_TARGET.get(quant) if torch.get_num_threads() >= 2 else None
-PEER_PREFILL_T = {"olmoe-1b-7b": (128, 512), "qwen3-30b-a3b": (512,), "gpt-oss-20b": (512,)}
 
 
 def _x(T, H, seed=3):
@@ -279,13 +280,19 @@ def native_bf16() -> bool:
     return optimized.backend_info()["active"] == "avx512_bf16"
 
 
-@functools.lru_cache(maxsize=None)
-def eager_weight_dtype(name: str) -> torch.dtype:
-    """The decode baseline's weight dtype: bf16 where the CPU has native bf16; elsewhere the
-    faster of bf16 and f32 (torch's bf16 GEMV can be a slow fallback there), timed here on one
-    token through 8 experts' W13 (a few interleaved rounds). Once per shape and process."""
+def faster_dtype(make) -> torch.dtype:
+    """bf16 where the run has native bf16; elsewhere whichever of bf16 and f32 runs `make(dtype)`
+    (a callable) faster, timed here in a few interleaved rounds."""
     if native_bf16():
         return torch.bfloat16
+    t = timing.compare({"bf16": make(torch.bfloat16), "f32": make(torch.float32)}, rounds=3, min_time=0.05)
+    return torch.float32 if t["f32"].median < t["bf16"].median else torch.bfloat16
+
+
+@functools.lru_cache(maxsize=None)
+def eager_weight_dtype(name: str) -> torch.dtype:
+    """The decode baseline's weight dtype (faster_dtype of one token through 8 experts' W13:
+    torch's bf16 GEMV can be a slow fallback without native bf16). Once per shape and process."""
     s = SHAPES[name]
     g = torch.Generator().manual_seed(5)
     w = (torch.randn(8, 2 * s["I"], s["H"], generator=g) / s["H"] ** 0.5).bfloat16()
@@ -294,18 +301,12 @@ def eager_weight_dtype(name: str) -> torch.dtype:
     def gemvs(dt):
         wd, xd = w.to(dt), x.to(dt)
         return lambda: [F.linear(xd, wd[e]) for e in range(wd.shape[0])]
-    t = timing.compare({"bf16": gemvs(torch.bfloat16), "f32": gemvs(torch.float32)}, rounds=3, min_time=0.05)
-    return torch.float32 if t["f32"].median < t["bf16"].median else torch.bfloat16
+    return faster_dtype(gemvs)
 
 
 def prefill_baseline_dtype(name: str, rows: int) -> torch.dtype:
-    """The dense prefill baseline's dtype: bf16 where the CPU has native bf16; elsewhere the
-    faster of bf16 and f32, timed here (a few interleaved rounds)."""
-    if native_bf16():
-        return torch.bfloat16
-    t = timing.compare({"bf16": prefill_dense(name, rows), "f32": prefill_dense(name, rows, torch.float32)},
-                       rounds=3, min_time=0.05)
-    return torch.float32 if t["f32"].median < t["bf16"].median else torch.bfloat16
+    """The dense prefill baseline's dtype: faster_dtype of the shape's dense GEMMs."""
+    return faster_dtype(lambda dt: prefill_dense(name, rows, dt))
 
 
 def cases(quick: bool):

@@ -268,7 +268,6 @@ def test_a_capped_run_caps_torch_mkl_and_onednn_too():
     variable the user set is kept, and without MOELAB_ISA nothing is set."""
     import os
     import subprocess
-    import sys
     root = Path(__file__).resolve().parents[1]
     code = ("from experiments import timing; timing.cap_libraries(); import os, torch; "
             "print(torch.backends.cpu.get_cpu_capability(), os.environ.get('MKL_ENABLE_INSTRUCTIONS'), "
@@ -305,6 +304,7 @@ def test_vllm_loads_the_library_of_the_capped_level(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     for check in ("_is_avx512_supported", "_is_avx512_bf16_supported"):   # put back after the test
         monkeypatch.setattr(torch.cpu, check, getattr(torch.cpu, check))
+
     def vllm_modules():
         return [m for m in sys.modules if m == "vllm" or m.startswith("vllm.")]
     for name in vllm_modules():             # a real vLLM imported earlier comes back at teardown
@@ -452,6 +452,11 @@ def test_decode_eager_is_f32_where_that_is_faster(monkeypatch):
         assert cfe.eager_weight_dtype("tiny") == torch.bfloat16
     finally:
         cfe.eager_weight_dtype.cache_clear()
+    monkeypatch.setattr(cfe, "eager_weight_dtype", lambda name: torch.float32)
+    names = [c.shape for c in cfe.cases(quick=True) if c.shape.startswith("decode qwen3-30b-a3b fp8_block T=1 ")
+             or c.shape == "decode qwen3-30b-a3b fp8_block T=1"]
+    assert names == ["decode qwen3-30b-a3b fp8_block T=1 (eager f32)",
+                     "decode qwen3-30b-a3b fp8_block T=1 standard layout (cached) (eager f32)"]
 
 
 def test_prefill_dense_runs_the_shapes_gemms_in_the_dtype_asked():
