@@ -1,6 +1,6 @@
 // The compute floor of the bf16 GEMMs on one core: how many vdpbf16ps (16 lanes x 2 products,
-// 64 flops) and, for comparison, 512-bit f32 FMAs (32 flops) one core retires per second when
-// nothing else limits it: C independent accumulator chains (C = 12 and 16; the blocked micro-
+// 64 flops) and, for comparison, 512-bit f32 FMAs (32 flops) and 256-bit ones (16 flops: the
+// avx2 level's FMA) one core retires per second when nothing else limits it: C independent accumulator chains (C = 12 and 16; the blocked micro-
 // kernel keeps 24, which here GCC would not keep in registers), operands in registers, no
 // memory traffic.
 //
@@ -23,6 +23,7 @@ __attribute__((noinline)) float dp(long n, __m512i w, __m512i x) {
   __m512 a[C];
   for (int i = 0; i < C; ++i) a[i] = _mm512_set1_ps(float(i));
   for (long k = 0; k < n; ++k) {
+#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
     for (int i = 0; i < C; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)w, (__m512bh)x);
     asm volatile("" : "+v"(w));   // keep the loop from being folded
   }
@@ -36,11 +37,30 @@ __attribute__((noinline)) float fma(long n, __m512 w, __m512 x) {
   __m512 a[C];
   for (int i = 0; i < C; ++i) a[i] = _mm512_set1_ps(float(i));
   for (long k = 0; k < n; ++k) {
+#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
     for (int i = 0; i < C; ++i) a[i] = _mm512_fmadd_ps(a[i], w, x);
     asm volatile("" : "+v"(w));
   }
   float s = 0;
   for (int i = 0; i < C; ++i) s += _mm512_reduce_add_ps(a[i]);
+  return s;
+}
+
+template <int C>
+__attribute__((noinline)) float fma256(long n, __m256 w, __m256 x) {
+  __m256 a[C];
+  for (int i = 0; i < C; ++i) a[i] = _mm256_set1_ps(float(i));
+  for (long k = 0; k < n; ++k) {
+#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
+    for (int i = 0; i < C; ++i) a[i] = _mm256_fmadd_ps(a[i], w, x);
+    asm volatile("" : "+x"(w));
+  }
+  alignas(32) float t[8];
+  float s = 0;
+  for (int i = 0; i < C; ++i) {
+    _mm256_store_ps(t, a[i]);
+    for (float v : t) s += v;
+  }
   return s;
 }
 
@@ -67,8 +87,11 @@ int main() {
     const double d12 = best_ns_per_op([&] { return dp<12>(n, w, x); }, n, 12, &sink);
     const double d16 = best_ns_per_op([&] { return dp<16>(n, w, x); }, n, 16, &sink);
     const double f12 = best_ns_per_op([&] { return fma<12>(n, wf, xf); }, n, 12, &sink);
-    std::printf("round %d  vdpbf16ps x12 %.3f ns (%.1f GFLOP/s)  x16 %.3f ns (%.1f GFLOP/s)  vfmadd x12 %.3f ns (%.1f GFLOP/s)\n",
-                round, d12, 64 / d12, d16, 64 / d16, f12, 32 / f12);
+    const double y12 = best_ns_per_op([&] { return fma256<12>(n, _mm512_castps512_ps256(wf), _mm512_castps512_ps256(xf)); },
+                                      n, 12, &sink);
+    std::printf("round %d  vdpbf16ps x12 %.3f ns (%.1f GFLOP/s)  x16 %.3f ns (%.1f GFLOP/s)  vfmadd x12 %.3f ns (%.1f GFLOP/s)"
+                "  vfmadd ymm x12 %.3f ns (%.1f GFLOP/s)\n",
+                round, d12, 64 / d12, d16, 64 / d16, f12, 32 / f12, y12, 16 / y12);
   }
   std::printf("(sink %g)\n", sink);
   return 0;

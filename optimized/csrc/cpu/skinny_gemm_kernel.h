@@ -45,10 +45,8 @@
 //   L2-resident weights reaches ~310 GFLOP/s per core -> ~55 us for T = 8 on 2 cores,
 //   ~27 us for T = 4: below the memory floor, so decode shapes are memory-bound; what
 //   costs time beyond the floor at T = 4..8 is compute that does not fully overlap the
-//   stream (timed on one core: cold time ~ L3-hot time + a constant memory stall).
-//   Measured (python -m experiments.bench --ops skinny_gemm, N = 513, bf16, cold weights):
-//   T = 1 runs at 94-98% of the read bandwidth measured in the same run, T = 4 at 79-89%,
-//   T = 8 at 71-77%.
+//   stream (timed on one core: cold time ~ L3-hot time + a constant memory stall). Current
+//   figures per machine: docs/performance.md.
 #include "isa_begin.h"
 
 namespace moelab::cpu::MOELAB_ISA_NS {
