@@ -79,6 +79,32 @@ def test_dram_floor_includes_the_probe_timed_in_the_rows_rounds(fake_cases, monk
     assert len(calls) == n
 
 
+def test_dram_floor_is_the_fastest_probe_pass_of_the_whole_run(fake_cases, monkeypatch):
+    """A dram row timed in a slow phase gets the floor of a faster probe pass timed later in the
+    run (the 2-thread bandwidth switches phase within a run); its peers' fractions follow. The
+    probe here reads 1 MB in 2 ms while point A's rows run and in 0.5 ms during point B's."""
+    phase = {"probe_s": 2e-3}
+
+    def setting(probe_s, fn):
+        def call():
+            phase["probe_s"] = probe_s
+            fn()
+        return call
+
+    a, b = fake_cases
+    a.eager, a.ours = setting(2e-3, a.eager), setting(2e-3, a.ours)
+    b.eager, b.ours = setting(0.5e-3, b.eager), setting(0.5e-3, b.ours)
+    for c in fake_cases:
+        c.cold = True
+    monkeypatch.setattr(timing, "read_bandwidth", lambda nbytes=0: 1e8)   # the start-of-run probe
+    monkeypatch.setattr(timing, "read_probe", lambda nbytes=0: (lambda: time.sleep(phase["probe_s"]), 10 ** 6))
+    ra, rb = bench.run(["fake"], quick=True, rounds=3, peers=True)
+    assert ra["floor_GBps"] == rb["floor_GBps"] and 1.0 < ra["floor_GBps"] <= 2.0, (ra, rb)
+    assert ra["floor_frac"] == pytest.approx(1e6 / (ra["ours_us"] * 1e-6) / (ra["floor_GBps"] * 1e9))
+    slow = ra["peers"][0]
+    assert slow["floor_frac"] == pytest.approx(1e6 / (slow["us"] * 1e-6) / (ra["floor_GBps"] * 1e9))
+
+
 def test_cold_case_gets_the_dram_floor_and_probe_frac(fake_cases, monkeypatch):
     """A cold case (inputs rotating through copies larger than the cache) is judged against the
     read bandwidth whatever its size, never the cache's; its probe_frac compares each round with
