@@ -18,50 +18,50 @@
 
 namespace {
 
-template <int C>
-__attribute__((noinline)) float dp(long n, __m512i w, __m512i x) {
-  __m512 a[C];
-  for (int i = 0; i < C; ++i) a[i] = _mm512_set1_ps(float(i));
+// C independent chains a[i] = step(a[i], w, x), n times; w goes through an empty asm each
+// iteration so the loop cannot be folded. The chains are unrolled so they stay in registers
+// (rolled, -O2 keeps them in memory).
+template <int C, class A, class V, class Init, class Step, class Sum>
+__attribute__((noinline)) float chains(long n, V w, V x, Init init, Step step, Sum sum) {
+  A a[C];
+  for (int i = 0; i < C; ++i) a[i] = init(float(i));
   for (long k = 0; k < n; ++k) {
-#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
-    for (int i = 0; i < C; ++i) a[i] = _mm512_dpbf16_ps(a[i], (__m512bh)w, (__m512bh)x);
-    asm volatile("" : "+v"(w));   // keep the loop from being folded
-  }
-  float s = 0;
-  for (int i = 0; i < C; ++i) s += _mm512_reduce_add_ps(a[i]);
-  return s;
-}
-
-template <int C>
-__attribute__((noinline)) float fma(long n, __m512 w, __m512 x) {
-  __m512 a[C];
-  for (int i = 0; i < C; ++i) a[i] = _mm512_set1_ps(float(i));
-  for (long k = 0; k < n; ++k) {
-#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
-    for (int i = 0; i < C; ++i) a[i] = _mm512_fmadd_ps(a[i], w, x);
+#pragma GCC unroll 16
+    for (int i = 0; i < C; ++i) a[i] = step(a[i], w, x);
     asm volatile("" : "+v"(w));
   }
   float s = 0;
-  for (int i = 0; i < C; ++i) s += _mm512_reduce_add_ps(a[i]);
+  for (int i = 0; i < C; ++i) s += sum(a[i]);
   return s;
 }
 
+const auto init512 = [](float v) { return _mm512_set1_ps(v); };
+const auto sum512 = [](__m512 a) { return _mm512_reduce_add_ps(a); };
+
 template <int C>
-__attribute__((noinline)) float fma256(long n, __m256 w, __m256 x) {
-  __m256 a[C];
-  for (int i = 0; i < C; ++i) a[i] = _mm256_set1_ps(float(i));
-  for (long k = 0; k < n; ++k) {
-#pragma GCC unroll 16   // the accumulators stay in registers (rolled, -O2 keeps them in memory)
-    for (int i = 0; i < C; ++i) a[i] = _mm256_fmadd_ps(a[i], w, x);
-    asm volatile("" : "+x"(w));
-  }
-  alignas(32) float t[8];
-  float s = 0;
-  for (int i = 0; i < C; ++i) {
-    _mm256_store_ps(t, a[i]);
-    for (float v : t) s += v;
-  }
-  return s;
+float dp(long n, __m512i w, __m512i x) {
+  return chains<C, __m512>(n, w, x, init512,
+                           [](__m512 a, __m512i b, __m512i c) { return _mm512_dpbf16_ps(a, (__m512bh)b, (__m512bh)c); },
+                           sum512);
+}
+
+template <int C>
+float fma(long n, __m512 w, __m512 x) {
+  return chains<C, __m512>(n, w, x, init512, [](__m512 a, __m512 b, __m512 c) { return _mm512_fmadd_ps(a, b, c); }, sum512);
+}
+
+template <int C>
+float fma256(long n, __m256 w, __m256 x) {
+  return chains<C, __m256>(
+      n, w, x, [](float v) { return _mm256_set1_ps(v); },
+      [](__m256 a, __m256 b, __m256 c) { return _mm256_fmadd_ps(a, b, c); },
+      [](__m256 a) {
+        alignas(32) float t[8];
+        _mm256_store_ps(t, a);
+        float s = 0;
+        for (float v : t) s += v;
+        return s;
+      });
 }
 
 template <class F>
