@@ -22,10 +22,10 @@ of the row's own memory floor, measured in the same run. Each row says which flo
          which our fp8 decode kernel outran (115% of it).
 A dram row also gets `probe_frac` ("of probe" in the table): its GB/s over the probe's GB/s in
 the same round, the median over the rounds. The floor above is the fastest probe pass of the
-whole run (the start-of-run probe and every row's own probe passes, applied to every dram row
-once the table is done: a row timed before the machine's fast phase showed up otherwise kept
-the slow phase's floor, and on the Zen 4 at 2 threads fp8 decode read up to 104% of it), so a
-row timed in the slow phase reads a small fraction of a floor set in the fast one; probe_frac compares each round with its own phase, and is what a "fraction of the read
+whole run (the start-of-run probe and every row's own probe passes, set on every dram row once
+the table is done, so a row timed before the fast phase showed up does not keep the slow
+phase's floor), and a row timed in the slow phase reads a small fraction of it; probe_frac
+compares each round with its own phase, and is what a "fraction of the read
 bandwidth" target (`bw_target`, the level's: fp8 decode >= 80% at 2 threads at AVX-512, fp8 and
 mxfp4 >= 70% at avx2) is judged on. It can
 pass 100% by a little where some of a row's bytes are still in the cache from an earlier call.

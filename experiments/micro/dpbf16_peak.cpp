@@ -1,8 +1,8 @@
 // The compute floor of the bf16 GEMMs on one core: how many vdpbf16ps (16 lanes x 2 products,
 // 64 flops) and, for comparison, 512-bit f32 FMAs (32 flops) and 256-bit ones (16 flops: the
-// avx2 level's FMA) one core retires per second when nothing else limits it: C independent accumulator chains (C = 12 and 16; the blocked micro-
-// kernel keeps 24, which here GCC would not keep in registers), operands in registers, no
-// memory traffic.
+// avx2 level's FMA) one core retires per second when nothing else limits it: C independent
+// accumulator chains (C = 12 and 16; the blocked micro-kernel keeps 24, which here GCC would not
+// keep in registers), operands in registers, no memory traffic.
 //
 //   python -m experiments.micro dpbf16_peak   (compiles with g++ -march=native, runs, saves)
 //   (needs AVX512-BF16; output: experiments/results/<machine>/dpbf16_peak.txt)
