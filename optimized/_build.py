@@ -13,6 +13,11 @@ ninja rebuilds only what changed, so `make build` (or importing `optimized`) aft
 is quick, and a no-op when nothing changed. MOELAB_BUILD_DIR overrides the build folder (default:
 build/ beside the package).
 
+Fast calls: a small Python module, moelab_fastcall (csrc/python/fastcall.cpp, pybind11), built
+and imported after the CPU extension in its own folder (fastcall/ beside cpu/). It binds the ops a
+decode step calls with their C++ types, so the wrappers skip torch.ops' per-argument parsing
+(optimized/fastcall.py); it holds no kernel and is never sanitized.
+
 GPU: a second extension, moelab_gpu (csrc/gpu/*.cu torch-free kernels, csrc/torch_gpu/*.cpp
 bindings that register the CUDA implementations of the same ops; on ROCm also csrc/hip/*.hip),
 is built and loaded after the CPU one ONLY when the installed torch is a CUDA or ROCm build
@@ -161,10 +166,36 @@ def load(verbose: bool = False) -> None:
         if preload is not None:
             os.environ["LD_PRELOAD"] = preload
     _loaded = True
+    load_fastcall(verbose)
     # The sanitized build covers the CPU extension only (a CUDA runtime under ASan needs its own
     # settings); the GPU extension stays out of sanitized processes.
     if os.environ.get("MOELAB_NO_GPU") != "1" and not SANITIZE:
         load_gpu(verbose)
+
+
+# ------------------------------------------------------------------------------ fast calls
+FASTCALL_NAME = "moelab_fastcall"
+_fastcall = None
+
+
+def load_fastcall(verbose: bool = False):
+    """Build (if needed) and import moelab_fastcall; the CPU extension must be loaded first
+    (the module looks the ops up when imported). Returns the module."""
+    global _fastcall
+    if _fastcall is None:
+        from torch.utils import cpp_extension
+
+        bdir = build_dir().parent / "fastcall"
+        bdir.mkdir(parents=True, exist_ok=True)
+        preload = os.environ.pop("LD_PRELOAD", None) if SANITIZE else None   # as load()
+        try:
+            _fastcall = cpp_extension.load(name=FASTCALL_NAME, sources=[str(CSRC / "python" / "fastcall.cpp")],
+                                           extra_cflags=["-O2"], build_directory=str(bdir),
+                                           is_python_module=True, verbose=verbose)
+        finally:
+            if preload is not None:
+                os.environ["LD_PRELOAD"] = preload
+    return _fastcall
 
 
 # ------------------------------------------------------------------------------------ GPU

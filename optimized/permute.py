@@ -29,6 +29,8 @@ from reference.permute import Permuted
 from reference.validate import capacity
 
 from . import _fake, dispatch, gpu
+from .fastcall import _PLAIN, is_compiling
+from .fastcall import ops as fast
 
 __all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
 
@@ -140,10 +142,14 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         if not scratch._busy.acquire(False):
             scratch._claim("permute")
     try:
+        # optimized.fastcall where it behaves as torch.ops (eager, plain tensors): ~1.2 us less.
+        direct = (type(hidden) in _PLAIN and type(ids) in _PLAIN and (expert_map is None or type(expert_map) in _PLAIN)
+                  and not is_compiling())
         if scratch is None:
-            return Permuted(*_permute_op(hidden, ids, n_experts, expert_map, E_loc, align))
+            op = fast.permute if direct else _permute_op
+            return Permuted(*op(hidden, ids, n_experts, expert_map, E_loc, align))
         out, buffers = scratch.views(hidden.shape[0])
-        _permute_out_op(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
+        (fast.permute_out if direct else _permute_out_op)(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
         return out
     except RuntimeError:
         # The kernel found an index out of range: word it as the reference does.
@@ -163,6 +169,8 @@ def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, dst_pos: torch.Te
     if not dst_pos.is_contiguous():
         dst_pos = dst_pos.contiguous()
     try:
+        if type(expert_out) in _PLAIN and type(weights) in _PLAIN and type(dst_pos) in _PLAIN and not is_compiling():
+            return fast.unpermute(expert_out, weights, dst_pos)   # optimized.fastcall: as torch.ops, ~1.2 us less
         return _unpermute_op(expert_out, weights, dst_pos)
     except RuntimeError:
         validate.check_unpermute(expert_out, weights, dst_pos)

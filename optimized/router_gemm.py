@@ -8,6 +8,10 @@ import torch.nn.functional as F
 from reference.validate import check_router_gemm
 
 from . import _fake, dispatch
+from .fastcall import _PLAIN, is_compiling
+from .fastcall import ops as fast
+
+_op = torch.ops.moelab.router_gemm.default
 
 
 @torch.library.register_fake("moelab::router_gemm")
@@ -23,4 +27,6 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), weight)
     if x.shape[0] > 0 and x.stride(1) != 1:
         x = x.contiguous()
-    return torch.ops.moelab.router_gemm(x, weight)
+    if type(x) in _PLAIN and type(weight) in _PLAIN and not is_compiling():
+        return fast.router_gemm(x, weight)   # optimized.fastcall: as torch.ops, ~1.2 us less
+    return _op(x, weight)

@@ -34,6 +34,7 @@ whose output rounding is the last accumulation step). Why this bound:
 from __future__ import annotations
 
 import math
+import sys
 
 import pytest
 import torch
@@ -373,12 +374,18 @@ def test_fused_gate_gemm(dtype, T):
         assert torch.equal(r, optimized.skinny_gemm(x, rw)) and torch.equal(s, optimized.skinny_gemm(x, sw))
 
 
+def _spy_skinny(monkeypatch) -> list:
+    """Records the weight shape of every skinny_gemm kernel call (either call path)."""
+    mod = sys.modules["optimized.gate_gemm"]
+    seen, real = [], mod._skinny
+    monkeypatch.setattr(mod, "_skinny", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
+    return seen
+
+
 def test_fused_gate_gemm_one_dispatch(monkeypatch):
     x, rw, _ = make(2, 16, 32, bf16, seed=0)
     sw = make(1, 1, 32, bf16, seed=1)[1]
-    seen = []
-    real = torch.ops.moelab.skinny_gemm
-    monkeypatch.setattr(torch.ops.moelab, "skinny_gemm", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
+    seen = _spy_skinny(monkeypatch)
     optimized.fused_gate_gemm(x, rw, sw)
     assert seen == [(17, 32)]
 
@@ -390,9 +397,7 @@ def test_fused_gate_module_rebuilds(monkeypatch):
     gate = optimized.FusedGate(rw, sw)
     assert isinstance(gate, ref.FusedGate) and optimized.FusedGate.gemm is optimized.unquantized_gemm
     assert gate.rebuilds == 1
-    seen = []
-    real = torch.ops.moelab.skinny_gemm
-    monkeypatch.setattr(torch.ops.moelab, "skinny_gemm", lambda x, w, b: seen.append(tuple(w.shape)) or real(x, w, b))
+    seen = _spy_skinny(monkeypatch)
     x = make(3, 1, H, bf16, seed=3)[0]
     r, s = gate(x)
     assert seen == [(E + 1, H)] and gate.rebuilds == 1

@@ -51,9 +51,9 @@
 // ops per 16 experts, 17 of them on the 2 FMA pipes: floor ~9 cycles per 16 experts; we
 // measure ~16 (the exp/divide dependency chains). Selection adds ~200 cycles per token at
 // E = 256 (K = 8), ~450 at E = 896 (K = 16). Measured per token, sigmoid_bias, bf16:
-// E = 256, K = 8: 0.14 us; E = 896, K = 16: 0.38 us; E = 2048, K = 32: ~1 us. A call costs
-// ~2 us more in the dispatcher plus ~1.3 us of Python validation, which is what bounds
-// decode-size batches.
+// E = 256, K = 8: 0.14 us; E = 896, K = 16: 0.38 us; E = 2048, K = 32: ~1 us. A call adds
+// ~2 us of fixed costs (argument conversion, the two output tensors, the binding's checks),
+// which is what bounds decode-size batches (docs/performance.md, "route").
 #include "route.h"
 #include "isa_begin.h"
 
