@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib
 import threading
 import time
+import types
 
 import pytest
 import torch
@@ -96,7 +97,7 @@ def test_refused_while_the_kernel_runs(monkeypatch):
     """Deterministic overlap with the real kernel: thread A's permute_out has written the
     scratch and is paused inside the call; thread B's call is refused; A's views still hold
     A's result when A returns."""
-    real = opt_permute._permute_out_op
+    real = optimized.fastcall.ops.permute_out      # what the wrapper calls in eager mode
     inside, tried = threading.Event(), threading.Event()
 
     def paused(*args):
@@ -105,7 +106,7 @@ def test_refused_while_the_kernel_runs(monkeypatch):
             inside.set()
             assert tried.wait(30)
 
-    monkeypatch.setattr(opt_permute, "_permute_out_op", paused)
+    monkeypatch.setattr(opt_permute, "fast", types.SimpleNamespace(permute_out=paused))
     s = optimized.PermuteScratch(T_MAX, K, E, H, torch.bfloat16, "cpu", align=4)
     (ha, ia), (hb, ib) = _case(4, 11), _case(5, 12)
     res = {}
