@@ -109,19 +109,19 @@ _UNPERMUTE_CPU = Decision("unpermute", "moelab", "f32 weighted gather, j ascendi
 
 
 def permute_decision(hidden, ids, n_experts, **_) -> Decision:
+    if hidden.is_cpu:   # first: a decode step's question, and the cheapest test
+        return _PERMUTE_CPU
     if hidden.device.type == "cuda":
         return gpu_decision("permute", hidden, ids, n_experts)
-    if not hidden.is_cpu:
-        return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
-    return _PERMUTE_CPU
+    return Decision("permute", "reference", f"no moelab kernel for device {hidden.device.type}")
 
 
 def unpermute_decision(expert_out, weights, dst_pos) -> Decision:
+    if expert_out.is_cpu:
+        return _UNPERMUTE_CPU
     if expert_out.device.type == "cuda":
         return gpu_decision("unpermute", expert_out, weights, dst_pos)
-    if not expert_out.is_cpu:
-        return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
-    return _UNPERMUTE_CPU
+    return Decision("unpermute", "reference", f"no moelab kernel for device {expert_out.device.type}")
 
 
 

@@ -58,7 +58,7 @@ def _skinny(x, weight, bias):
         bias = bias.contiguous()
     x, weight = _unit_k(x), _unit_k(weight)
     if type(x) in _PLAIN and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN) and not is_compiling():
-        return fast.skinny_gemm(x, weight, bias)   # optimized.fastcall: as torch.ops, ~1.2 us less
+        return fast.skinny_gemm(x, weight, bias)   # optimized.fastcall: the op without torch.ops' parsing
     return _skinny_op(x, weight, bias)
 
 

@@ -28,5 +28,5 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     if x.shape[0] > 0 and x.stride(1) != 1:
         x = x.contiguous()
     if type(x) in _PLAIN and type(weight) in _PLAIN and not is_compiling():
-        return fast.router_gemm(x, weight)   # optimized.fastcall: as torch.ops, ~1.2 us less
+        return fast.router_gemm(x, weight)   # optimized.fastcall: the op without torch.ops' parsing
     return _op(x, weight)

@@ -351,6 +351,31 @@ def test_error_inputs_same_as_reference(op, args, kwargs, arg):
     assert msg.startswith(op + ":") and f"'{arg}'" in msg, msg
 
 
+def test_plain_calls_leave_the_checks_to_the_binding(monkeypatch):
+    """Valid calls with plain CPU tensors and ints run none of the reference's Python checks (the
+    binding checks the same: test_error_inputs_same_as_reference), with or without a scratch and
+    an expert map; each still gives the reference's result."""
+    from reference import validate
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a Python check ran on a valid plain call")
+
+    h = torch.randn(3, 8).bfloat16()
+    ids = _ids(((0, 1), (1, 0), (0, 0)))
+    emap = torch.tensor([1, 0], dtype=torch.int32)
+    want = [ref.permute(h, ids, 2), ref.permute(h, ids, 2, expert_map=emap, n_local_experts=2, align=4)]
+    y, w = torch.randn(6, 8), torch.rand(3, 2)
+    want_y = ref.unpermute(y, w, want[0].dst_pos)
+    monkeypatch.setattr(validate, "check_permute", refuse)
+    monkeypatch.setattr(validate, "check_unpermute", refuse)
+    scratch = optimized.PermuteScratch(3, 2, 2, 8, torch.bfloat16, "cpu", n_local_experts=2, align=4)
+    got = [optimized.permute(h, ids, 2),
+           optimized.permute(h, ids, 2, expert_map=emap, n_local_experts=2, align=4, scratch=scratch)]
+    for mine, theirs in zip(got, want):
+        assert all(torch.equal(a, b) for a, b in zip(mine, theirs))
+    assert torch.equal(optimized.unpermute(y, w, got[0].dst_pos), want_y)
+
+
 # ------------------------------------------------------------------ hostile direct op calls
 def _ok_permute_args(T=4, K=2, E=3, H=8):
     return [torch.ones(T, H), torch.zeros(T, K, **_i32), E, None, E, 1]
