@@ -2,7 +2,7 @@
 
 `torch.ops.moelab.<op>(...)` turns each Python argument into an IValue against the op's schema
 before the dispatcher runs: ~1.1 us of a ~3.3 us T = 1 route call on a Zen 4 core
-(experiments/results/amd-epyc-zen-4-2c-avx512_bf16/route_call_cost.txt). The
+(`python -m experiments.micro route_call_cost`). The
 module moelab_fastcall (csrc/python/fastcall.cpp, built with the CPU extension) binds route,
 router_gemm, skinny_gemm, permute, permute_out and unpermute with their C++ types and calls
 the same op through the dispatcher's typed handle, so dispatch, checks, errors and results are
