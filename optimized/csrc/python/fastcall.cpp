@@ -2,10 +2,9 @@
 // types, each calling the dispatcher's typed handle of the op.
 //
 // Why. `torch.ops.moelab.route(...)` converts its Python arguments against the op's schema
-// into a stack of IValues before the dispatcher runs: about 1.1 us for route's four
-// arguments on a Zen 4 core (`python -m experiments.micro route_call_cost`), a third of a
-// one-token call. A typed handle takes
-// the arguments as C++ values, and pybind11 converts them for a fraction of that.
+// into a stack of IValues before the dispatcher runs: about 1.1 us for route's four arguments
+// on a Zen 4 core, a third of a one-token call (`python -m experiments.micro route_call_cost`).
+// A typed handle takes the arguments as C++ values, which pybind11 converts for less.
 //
 // What stays the same. The call goes through the dispatcher like torch.ops': the CPU or CUDA
 // kernel by the tensors' device, Autograd, Python dispatch modes and fake tensors, the
