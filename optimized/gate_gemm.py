@@ -31,7 +31,7 @@ import reference.gate_gemm as _ref
 from reference.validate import SKINNY_MAX_T, check_skinny_gemm, check_unquantized_gemm
 
 from . import _fake, dispatch
-from .fastcall import _PLAIN, is_compiling
+from .fastcall import direct
 from .fastcall import ops as fast
 
 __all__ = ["skinny_gemm", "unquantized_gemm", "fused_gate_gemm", "FusedGate"]
@@ -57,9 +57,7 @@ def _skinny(x, weight, bias):
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
     x, weight = _unit_k(x), _unit_k(weight)
-    if type(x) in _PLAIN and type(weight) in _PLAIN and (bias is None or type(bias) in _PLAIN) and not is_compiling():
-        return fast.skinny_gemm(x, weight, bias)   # optimized.fastcall: the op without torch.ops' parsing
-    return _skinny_op(x, weight, bias)
+    return (fast.skinny_gemm if direct(x, weight, bias) else _skinny_op)(x, weight, bias)   # optimized.fastcall
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -29,7 +29,7 @@ from reference.permute import Permuted
 from reference.validate import capacity
 
 from . import _fake, dispatch, gpu
-from .fastcall import _PLAIN, is_compiling
+from .fastcall import direct
 from .fastcall import ops as fast
 
 __all__ = ["Permuted", "PermuteScratch", "permute", "unpermute"]
@@ -157,14 +157,12 @@ def permute(hidden: torch.Tensor, ids: torch.Tensor, n_experts: int, *,
         if not scratch._busy.acquire(False):
             scratch._claim("permute")
     try:
-        # optimized.fastcall where it behaves as torch.ops (eager, plain tensors).
-        direct = (type(hidden) in _PLAIN and type(ids) in _PLAIN and (expert_map is None or type(expert_map) in _PLAIN)
-                  and not is_compiling())
+        fast_ok = direct(hidden, ids, expert_map)   # optimized.fastcall
         if scratch is None:
-            op = fast.permute if direct else _permute_op
+            op = fast.permute if fast_ok else _permute_op
             return Permuted(*op(hidden, ids, n_experts, expert_map, E_loc, align))
         out, buffers = scratch.views(hidden.shape[0])
-        (fast.permute_out if direct else _permute_out_op)(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
+        (fast.permute_out if fast_ok else _permute_out_op)(hidden, ids, n_experts, expert_map, E_loc, align, *buffers)
         return out
     except (RuntimeError, TypeError):
         # The binding refused the call (an index out of range, or, for a lean call, any
@@ -188,10 +186,8 @@ def unpermute(expert_out: torch.Tensor, weights: torch.Tensor, dst_pos: torch.Te
     if not dst_pos.is_contiguous():
         dst_pos = dst_pos.contiguous()
     try:
-        # optimized.fastcall: the op without torch.ops' parsing, where the two behave the same.
-        if type(expert_out) in _PLAIN and type(weights) in _PLAIN and type(dst_pos) in _PLAIN and not is_compiling():
-            return fast.unpermute(expert_out, weights, dst_pos)
-        return _unpermute_op(expert_out, weights, dst_pos)
+        op = fast.unpermute if direct(expert_out, weights, dst_pos) else _unpermute_op   # optimized.fastcall
+        return op(expert_out, weights, dst_pos)
     except (RuntimeError, TypeError):
         validate.check_unpermute(expert_out, weights, dst_pos)
         raise

@@ -26,7 +26,7 @@ from reference.route import route as reference_route
 from reference.validate import check_route
 
 from . import _fake, dispatch
-from .fastcall import _PLAIN, is_compiling
+from .fastcall import direct
 from .fastcall import ops as fast
 
 _op = torch.ops.moelab.route.default
@@ -77,9 +77,8 @@ def route(logits: torch.Tensor, top_k: int, method: str, *, bias: Optional[torch
         check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
     eps = None if norm_eps is None else float(norm_eps)
     try:
-        if type(logits) is torch.Tensor and (bias is None or type(bias) in _PLAIN) and not is_compiling():
-            return fast.route(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group, eps)
-        return _op(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group, eps)
+        op = fast.route if direct(logits, bias) else _op
+        return op(logits, top_k, method, bias, float(scaling), renormalize, n_group, topk_group, eps)
     except (RuntimeError, TypeError, ValueError):
         check_route(logits, top_k, method, bias, n_group, topk_group, scaling, renormalize, norm_eps)
         raise   # check_route accepts what the op refused: the op's own error says why

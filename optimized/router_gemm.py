@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from reference.validate import check_router_gemm
 
 from . import _fake, dispatch
-from .fastcall import _PLAIN, is_compiling
+from .fastcall import direct
 from .fastcall import ops as fast
 
 _op = torch.ops.moelab.router_gemm.default
@@ -27,6 +27,4 @@ def router_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.linear(x.float(), weight)
     if x.shape[0] > 0 and x.stride(1) != 1:
         x = x.contiguous()
-    if type(x) in _PLAIN and type(weight) in _PLAIN and not is_compiling():
-        return fast.router_gemm(x, weight)   # optimized.fastcall: the op without torch.ops' parsing
-    return _op(x, weight)
+    return (fast.router_gemm if direct(x, weight) else _op)(x, weight)   # optimized.fastcall

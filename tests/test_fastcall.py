@@ -146,3 +146,13 @@ def test_fake_tensors_and_profiler_see_the_op():
                 None)
         w, ids = fastcall.ops.route(*fake)
     assert w.shape == (d["T"], d["K"]) and ids.dtype == torch.int32
+
+
+def test_direct_is_the_one_rule():
+    """fastcall.direct: plain tensors, Parameters and absent optionals take the binding; a
+    __torch_function__ subclass in any position does not."""
+    t = torch.ones(2, 2)
+    p = torch.nn.Parameter(torch.ones(2, 2), requires_grad=False)
+    h = t.as_subclass(_Hooked)
+    assert fastcall.direct(t) and fastcall.direct(t, p) and fastcall.direct(t, None, p)
+    assert not fastcall.direct(h) and not fastcall.direct(t, h) and not fastcall.direct(t, None, h)
